@@ -1,0 +1,206 @@
+"""The store: the Parquet schema of spans and the DuckDB views every reader uses.
+
+The collector is the only writer of ``spans/``; readers (``lightningrl``, ``trainer``,
+``dashboards``, ``lightspan sql``) open DuckDB views over the Parquet globs, so no reader ever
+waits on a writer's lock (DESIGN.md §3.2). Importing this module pulls in only duckdb and
+pyarrow: never the receivers, gRPC or a web server.
+
+Layout of a data directory::
+
+    spans/date=YYYY-MM-DD/part-*.parquet      one row per span, hive-partitioned by date
+    transitions/part-*.parquet                 written by ``lightspan transitions build``
+    train_steps/part-*.parquet                 written by ``lightspan train``
+    wal/                                       the collector's write-ahead log
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DEFAULT_DATA_DIR = "./lightspan-data"
+
+
+def data_dir(path: str | os.PathLike | None = None) -> Path:
+    """The data directory: ``path``, else ``$LIGHTSPAN_DATA_DIR``, else ``./lightspan-data``."""
+    return Path(path or os.environ.get("LIGHTSPAN_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+_EVENT = pa.struct([("time_unix_nano", pa.int64()), ("name", pa.string()), ("attributes", pa.string())])
+_LINK = pa.struct([("trace_id", pa.string()), ("span_id", pa.string()), ("attributes", pa.string())])
+
+SPAN_SCHEMA = pa.schema([
+    ("trace_id", pa.string()),               # 32 lowercase hex
+    ("span_id", pa.string()),                # 16 lowercase hex
+    ("parent_span_id", pa.string()),         # null for a root span
+    ("name", pa.string()),
+    ("kind", pa.string()),                   # INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER
+    ("service_name", pa.string()),
+    ("scope_name", pa.string()),
+    ("start_time_unix_nano", pa.int64()),
+    ("end_time_unix_nano", pa.int64()),
+    ("status_code", pa.string()),            # UNSET, OK, ERROR
+    ("status_message", pa.string()),
+    # rollout grouping: span attribute first, else resource attribute
+    ("rollout_id", pa.string()),
+    ("task_id", pa.string()),
+    ("split", pa.string()),
+    # GenAI
+    ("operation_name", pa.string()),
+    ("request_model", pa.string()),
+    ("response_model", pa.string()),
+    ("input_tokens", pa.int64()),
+    ("output_tokens", pa.int64()),
+    ("finish_reasons", pa.list_(pa.string())),
+    ("agent_name", pa.string()),
+    ("input_messages", pa.string()),         # JSON text as the instrumentation wrote it
+    ("output_messages", pa.string()),
+    # RL
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("completion_token_ids", pa.list_(pa.int32())),   # choice 0
+    ("completion_logprobs", pa.list_(pa.float32())),  # choice 0, sampled-token logprobs
+    ("num_choices", pa.int32()),
+    ("model_version", pa.int64()),
+    ("capture_status", pa.string()),
+    ("reward", pa.float64()),
+    ("reward_name", pa.string()),
+    # everything else
+    ("attributes", pa.map_(pa.string(), pa.string())),           # JSON-encoded values
+    ("resource_attributes", pa.map_(pa.string(), pa.string())),  # JSON-encoded values
+    ("events", pa.list_(_EVENT)),
+    ("links", pa.list_(_LINK)),
+    ("received_unix_nano", pa.int64()),
+])
+"""One row per span. Promoted columns are what readers filter or join on."""
+
+TRANSITION_SCHEMA = pa.schema([
+    ("transition_id", pa.string()),          # rollout_key/span_id: unique per LLM call
+    ("rollout_id", pa.string()),             # lightspan.rollout.id, else the trace id
+    ("task_id", pa.string()),
+    ("split", pa.string()),
+    ("agent_name", pa.string()),
+    ("call_index", pa.int32()),              # 0-based position of the call in its rollout
+    ("num_calls", pa.int32()),
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("completion_token_ids", pa.list_(pa.int32())),
+    ("completion_logprobs", pa.list_(pa.float32())),
+    ("model_version", pa.int64()),
+    ("reward", pa.float64()),                # the rollout's reward
+    ("credit", pa.float64()),                # the reward this call received (credit policy)
+    ("advantage", pa.float64()),
+    ("credit_policy", pa.string()),
+    ("advantage_estimator", pa.string()),
+    ("build_id", pa.string()),
+    ("created_unix_nano", pa.int64()),
+])
+
+TRAIN_STEP_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("step", pa.int64()),
+    ("policy_version", pa.int64()),          # the version the step produced
+    ("time_unix_nano", pa.int64()),
+    ("num_transitions", pa.int64()),
+    ("num_tokens", pa.int64()),
+    ("reward_mean", pa.float64()),
+    ("advantage_abs_mean", pa.float64()),
+    ("loss", pa.float64()),
+    ("clip_ratio", pa.float64()),
+    ("is_ratio_mean", pa.float64()),
+    ("entropy", pa.float64()),
+    ("kl", pa.float64()),
+    ("staleness_mean", pa.float64()),
+    ("skipped_stale", pa.int64()),
+    ("step_seconds", pa.float64()),
+    ("sync_seconds", pa.float64()),
+    ("sync_max_abs_logprob_diff", pa.float64()),
+])
+
+_TABLES = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps": TRAIN_STEP_SCHEMA}
+
+# Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
+# a root span every chat call is its own trace (DESIGN.md §3.1).
+_VIEWS = {
+    "llm_calls": """
+        SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
+        FROM spans
+        WHERE prompt_token_ids IS NOT NULL
+           OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content')""",
+    "rewards": """
+        SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
+               trace_id, span_id, coalesce(reward_name, 'reward') AS reward_name, reward,
+               end_time_unix_nano AS time_unix_nano
+        FROM spans WHERE reward IS NOT NULL""",
+    "rollouts": """
+        SELECT coalesce(rollout_id, trace_id) AS rollout_key,
+               any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
+               any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
+               any_value(service_name) AS service_name,
+               count(*) AS num_spans,
+               count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
+               arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL) AS final_reward,
+               bool_or(status_code = 'ERROR') AS has_error,
+               min(start_time_unix_nano) AS start_time_unix_nano,
+               max(end_time_unix_nano) AS end_time_unix_nano,
+               max(model_version) AS model_version
+        FROM spans GROUP BY 1""",
+}
+
+
+def _glob(root: Path, table: str) -> str | None:
+    base = root / table
+    if not base.is_dir() or not any(base.rglob("*.parquet")):
+        return None
+    return str(base / "**" / "*.parquet")
+
+
+def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
+    ``transitions`` and ``train_steps`` over the Parquet files of data directory ``path``.
+
+    ``spans`` is deduplicated on (trace_id, span_id): OTLP delivery is at-least-once.
+    A table with no files yet is an empty view with the right columns.
+    """
+    root = data_dir(path)
+    con = duckdb.connect(database)
+    for table, schema in _TABLES.items():
+        glob = _glob(root, table)
+        if glob is None:
+            con.register(f"_{table}_empty", schema.empty_table())
+            source = f"SELECT * FROM _{table}_empty"
+        else:
+            hive = "true" if table == "spans" else "false"
+            source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning={hive}, union_by_name=true)"
+            if table == "spans":
+                source = f"SELECT * EXCLUDE (date) FROM ({source})"
+        if table == "spans":
+            source += " QUALIFY row_number() OVER (PARTITION BY trace_id, span_id ORDER BY received_unix_nano) = 1"
+        con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+    for name, sql in _VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+    return con
+
+
+def write_table(path: str | os.PathLike | None, table_name: str, table: pa.Table, *, partition: str | None = None) -> Path:
+    """Write one Parquet file into ``table_name/`` atomically (temp file, fsync, rename)."""
+    root = data_dir(path) / table_name
+    if partition:
+        root = root / partition
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"part-{uuid.uuid4().hex}.parquet"
+    tmp = root / f".{final.name}.tmp"
+    table = table.cast(_TABLES[table_name]) if table_name in _TABLES else table
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return final

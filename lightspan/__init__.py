@@ -1,0 +1,1 @@
+"""lightspan: train any LLM agent with RL from its own OpenTelemetry traces."""

@@ -1,0 +1,129 @@
+"""One config dataclass per component, resolved in one place.
+
+Precedence, lowest first: the dataclass defaults < a TOML file (its ``[section]`` table) <
+environment variables (``LIGHTSPAN_<SECTION>_<FIELD>``, or a field's own ``env`` alias) <
+command-line options. A field's ``help`` metadata is its documentation and its ``--help``.
+Bad values fail at start-up with a :class:`ConfigError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and how to fix it."""
+
+    def __init__(self, section: str, name: str, problem: str, fix: str):
+        self.field = f"{section}.{name}"
+        super().__init__(f"config field {self.field}: {problem}; fix: {fix}")
+
+
+def option(default: Any, help: str, *, env: str | None = None, choices: tuple | None = None):
+    """A documented config field. ``env`` adds an environment alias besides the default name."""
+    return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices})
+
+
+def _types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(section: str, name: str, typ: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(typ)
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        return _coerce(section, name, args[0], value)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ in (int, float, str):
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return typ(value)
+        if origin is tuple:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            return tuple(_coerce(section, name, args[0], v) for v in value)
+        if origin is dict:
+            return dict(json.loads(value) if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ConfigError(section, name, f"{value!r} is not a valid {getattr(typ, '__name__', typ)}",
+                          f"give a {getattr(typ, '__name__', typ)} value") from None
+    return value
+
+
+def env_name(section: str, name: str) -> str:
+    return f"LIGHTSPAN_{section.upper()}_{name.upper()}"
+
+
+def resolve(cls, *, section: str, file: str | os.PathLike | None = None,
+            environ: Mapping[str, str] | None = None, cli: Mapping[str, Any] | None = None):
+    """Build ``cls`` from defaults < TOML ``file`` < ``environ`` < ``cli`` (None values ignored)."""
+    environ = os.environ if environ is None else environ
+    types = _types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(section, "config", f"file {path} does not exist", "pass an existing TOML file")
+        with path.open("rb") as fh:
+            table = tomllib.load(fh).get(section, {})
+        for key, value in table.items():
+            key = key.replace("-", "_")
+            if key not in fields:
+                raise ConfigError(section, key, f"unknown field in {path}",
+                                  f"use one of: {', '.join(sorted(fields))}")
+            values[key] = value
+    for name, f in fields.items():
+        for var in (f.metadata.get("env"), env_name(section, name)):
+            if var and environ.get(var) not in (None, ""):
+                values[name] = environ[var]
+    for name, value in (cli or {}).items():
+        if name in fields and value is not None:
+            values[name] = value
+    coerced = {}
+    for name, value in values.items():
+        coerced[name] = _coerce(section, name, types[name], value)
+        choices = fields[name].metadata.get("choices")
+        if choices and coerced[name] not in choices:
+            raise ConfigError(section, name, f"{coerced[name]!r} is not allowed",
+                              f"use one of: {', '.join(map(str, choices))}")
+    return cls(**coerced)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, section: str) -> None:
+    """One ``--field-name`` option per field, documented by the field's help."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        env = f.metadata.get("env")
+        where = f"env {env_name(section, f.name)}" + (f" or {env}" if env else "")
+        parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
+                            help=f"{f.metadata.get('help', '')} (default: {default!r}; {where})")
+
+
+def cli_values(args: argparse.Namespace, cls) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+
+
+def to_dict(config) -> dict[str, Any]:
+    """The resolved config as plain JSON-able values (written next to every run)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))

@@ -1,0 +1,94 @@
+"""The one vocabulary of lightspan: every attribute name any component reads or writes.
+
+OpenTelemetry GenAI semantic conventions come first; ``lightspan.*`` names exist only where
+reinforcement learning needs something the conventions do not have (DESIGN.md §3.1).
+Token ids and logprobs travel as little-endian bytes: as OTel int arrays they cost ~30x more
+to encode in the agent and to decode in the collector (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+# --- OpenTelemetry GenAI conventions (reused as they are) -----------------------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# traceloop's instrumentation (the one we ship with) still writes the older names
+GEN_AI_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+GEN_AI_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+SERVICE_NAME = "service.name"
+
+# --- lightspan: what RL needs on top ---------------------------------------------------------
+ROLLOUT_ID = "lightspan.rollout.id"
+"""One episode of one agent on one task (resource or root span)."""
+TASK_ID = "lightspan.task.id"
+"""The task; rollouts of one task form a GRPO group (resource or root span)."""
+SPLIT = "lightspan.split"
+"""``train`` or ``val`` (resource or root span)."""
+PROMPT_TOKEN_IDS = "lightspan.prompt_token_ids"
+"""int32 little-endian bytes: the prompt exactly as the server tokenised it (LLM span)."""
+COMPLETION_TOKEN_IDS = "lightspan.completion_token_ids"
+"""A sequence of int32 little-endian bytes values, one per choice (LLM span)."""
+COMPLETION_LOGPROBS = "lightspan.completion_logprobs"
+"""A sequence of float32 little-endian bytes values, one per choice: sampled-token logprobs."""
+MODEL_VERSION = "lightspan.model.version"
+"""The policy version that served the call (LLM span)."""
+CAPTURE_STATUS = "lightspan.capture.status"
+"""``ok``, or why token ids could not be captured for this call (LLM span)."""
+REWARD = "lightspan.reward"
+"""A float reward, on a reward span or on any span."""
+REWARD_NAME = "lightspan.reward.name"
+"""Names the reward (``lightspan.reward.name``); the default name is ``reward``."""
+ROLLOUT_EXIT_CODE = "lightspan.rollout.exit_code"
+"""The agent process's exit code, on the runner's outcome span."""
+ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
+"""``ok``, ``failed`` or ``timeout``, on the runner's outcome span."""
+
+# span names lightspan itself creates
+SPAN_ROLLOUT = "lightspan.rollout"
+SPAN_REWARD = "lightspan.reward"
+SPAN_RUNNER = "lightspan.runner"
+
+# --- bytes encoding of token ids and logprobs ------------------------------------------------
+_LITTLE = sys.byteorder == "little"
+
+
+def encode_ids(ids) -> bytes:
+    """int32 little-endian bytes of a sequence of token ids."""
+    a = array("i", ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def decode_ids(data: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def encode_floats(values) -> bytes:
+    """float32 little-endian bytes of a sequence of floats."""
+    a = array("f", values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def decode_floats(data: bytes) -> list[float]:
+    a = array("f")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
