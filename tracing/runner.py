@@ -1,0 +1,204 @@
+"""``lightspan rollout``: run an unchanged agent command once per task sample, traced.
+
+Each rollout is one process started under ``opentelemetry-instrument`` with the resource
+attributes ``lightspan.rollout.id``, ``lightspan.task.id`` and ``lightspan.split`` set through
+``OTEL_RESOURCE_ATTRIBUTES``, so every span it exports is grouped with no code change. The task
+itself reaches the agent as JSON in ``LIGHTSPAN_TASK``. After the process ends, the runner
+exports one ``lightspan.runner`` span per rollout with its outcome (``ok``, ``failed``,
+``timeout``): the rollout's explicit end for the transition builder.
+
+Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
+(the command could not start, or died by a signal the runner did not send); an agent that
+exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from lightspan.config import ConfigError, option
+from lightspan.tracing import semconv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    tasks: str = option("", "JSONL file, one task per line; each task needs an \"id\" (or \"task_id\").")
+    samples: int = option(4, "Rollouts per task (the GRPO group size).")
+    concurrency: int = option(4, "Agent processes running at once.")
+    split: str = option("train", "Value of lightspan.split on every rollout: train or val.", choices=("train", "val"))
+    timeout_s: float = option(120.0, "Wall-clock limit per rollout; the whole process group is killed.")
+    retries: int = option(1, "Extra attempts after an infrastructure failure (never after an agent error).")
+    otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the agents export to.")
+    openai_base_url: str = option("http://127.0.0.1:8000/v1", "OPENAI_BASE_URL given to the agents; token ids are captured there.")
+    data_dir: str = option("./lightspan-data", "Data directory (its policy.json gives the served policy version).",
+                           env="LIGHTSPAN_DATA_DIR")
+    service_name: str = option("agent", "OTEL_SERVICE_NAME of the agents unless the environment sets one.")
+    logs_dir: str = option("", "Where each rollout's stdout/stderr goes (default: DATA_DIR/rollout-logs).")
+
+    def __post_init__(self):
+        if not self.tasks or not Path(self.tasks).is_file():
+            raise ConfigError("rollout", "tasks", f"task file {self.tasks!r} not found", "pass --tasks FILE.jsonl")
+        for name in ("samples", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError("rollout", name, "must be at least 1", f"pass --{name} 1 or more")
+        if self.timeout_s <= 0:
+            raise ConfigError("rollout", "timeout_s", "must be positive", "pass --timeout-s SECONDS")
+
+
+def load_tasks(path: str | os.PathLike) -> list[dict]:
+    tasks = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            task = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError("rollout", "tasks", f"{path}:{n} is not JSON ({e.msg})", "one JSON object per line") from None
+        task_id = task.get("id", task.get("task_id")) if isinstance(task, dict) else None
+        if task_id is None:
+            raise ConfigError("rollout", "tasks", f"{path}:{n} has no \"id\"", "give every task an \"id\" field")
+        tasks.append({**task, "id": str(task_id)})
+    return tasks
+
+
+def policy_version(data_dir: str | os.PathLike) -> int | None:
+    """The served policy version that the trainer last published, if any."""
+    try:
+        return int(json.loads((Path(data_dir) / "policy.json").read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def resource_attributes(existing: str, rollout_id: str, task_id: str, split: str) -> str:
+    """``OTEL_RESOURCE_ATTRIBUTES`` with our keys (percent-encoded, W3C baggage style) appended."""
+    ours = {semconv.ROLLOUT_ID: rollout_id, semconv.TASK_ID: task_id, semconv.SPLIT: split}
+    kept = [kv for kv in existing.split(",") if kv.strip() and kv.split("=", 1)[0].strip() not in ours]
+    return ",".join(kept + [f"{k}={quote(v, safe='')}" for k, v in ours.items()])
+
+
+def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OTEL_RESOURCE_ATTRIBUTES"] = resource_attributes(
+        env.get("OTEL_RESOURCE_ATTRIBUTES", ""), rollout_id, task["id"], cfg.split)
+    env.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
+    env.update({
+        "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": cfg.otlp_endpoint,
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        "OPENAI_BASE_URL": cfg.openai_base_url,
+        "LIGHTSPAN_CAPTURE_URLS": cfg.openai_base_url,
+        "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
+    })
+    env.setdefault("OPENAI_API_KEY", "lightspan")
+    if version is not None:
+        env["LIGHTSPAN_MODEL_VERSION"] = str(version)
+    return env
+
+
+def instrumented(command: list[str]) -> list[str]:
+    """The agent command under the ``opentelemetry-instrument`` of this environment."""
+    launcher = Path(sys.executable).parent / "opentelemetry-instrument"
+    return [str(launcher if launcher.exists() else "opentelemetry-instrument"), *command]
+
+
+@dataclass
+class Outcome:
+    rollout_id: str
+    task_id: str
+    outcome: str          # ok | failed | timeout | infra
+    exit_code: int | None
+    start_ns: int
+    end_ns: int
+    attempt: int
+
+
+def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path) -> Outcome:
+    rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
+    start = time.time_ns()
+    log_file = open(logs / f"{rollout_id}.log", "wb")
+    try:
+        proc = subprocess.Popen(instrumented(command), env=agent_environment(cfg, task, rollout_id, version),
+                                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError as e:
+        log.warning("rollout %s could not start: %s", rollout_id, e)
+        return Outcome(rollout_id, task["id"], "infra", None, start, time.time_ns(), attempt)
+    finally:
+        log_file.close()
+    try:
+        code = proc.wait(timeout=cfg.timeout_s)
+        outcome = "ok" if code == 0 else ("infra" if code < 0 else "failed")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        outcome = "timeout"
+    if outcome != "ok":
+        tail = (logs / f"{rollout_id}.log").read_text(errors="replace").splitlines()[-5:]
+        log.warning("rollout %s (task %s) %s, exit code %s: %s", rollout_id, task["id"], outcome, code,
+                    " | ".join(tail))
+    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
+
+
+def _tracer_provider(cfg: RolloutConfig):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({semconv.SERVICE_NAME: "lightspan-runner"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True)))
+    return provider
+
+
+def record_outcome(tracer, cfg: RolloutConfig, o: Outcome) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    outcome = "failed" if o.outcome == "infra" else o.outcome
+    span = tracer.start_span(semconv.SPAN_RUNNER, start_time=o.start_ns, attributes={
+        semconv.ROLLOUT_ID: o.rollout_id, semconv.TASK_ID: o.task_id, semconv.SPLIT: cfg.split,
+        semconv.ROLLOUT_OUTCOME: outcome, semconv.ROLLOUT_EXIT_CODE: -1 if o.exit_code is None else o.exit_code})
+    if outcome != "ok":
+        span.set_status(Status(StatusCode.ERROR, f"rollout {outcome}"))
+    span.end(end_time=o.end_ns)
+
+
+def run(cfg: RolloutConfig, command: list[str]) -> dict:
+    """Run every task ``cfg.samples`` times; returns counts by outcome and the wall time."""
+    if not command:
+        raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
+    tasks = load_tasks(cfg.tasks)
+    version = policy_version(cfg.data_dir)
+    logs = Path(cfg.logs_dir or Path(cfg.data_dir) / "rollout-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    provider = _tracer_provider(cfg)
+    tracer = provider.get_tracer("lightspan.runner")
+    t0 = time.monotonic()
+
+    def attempt_all(task):
+        for attempt in range(cfg.retries + 1):
+            o = run_one(cfg, command, task, attempt, version, logs)
+            record_outcome(tracer, cfg, o)
+            if o.outcome != "infra":
+                return o
+        return o
+
+    jobs = [task for task in tasks for _ in range(cfg.samples)]
+    with ThreadPoolExecutor(cfg.concurrency) as pool:
+        outcomes = list(pool.map(attempt_all, jobs))
+    provider.shutdown()  # flushes the outcome spans to the collector
+    counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
+    return {"rollouts": len(outcomes), **counts, "policy_version": version,
+            "wall_seconds": round(time.monotonic() - t0, 2)}
