@@ -1,0 +1,96 @@
+"""The rollout runner: environment, task files, outcomes and process-group timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from lightspan.config import ConfigError
+from lightspan.tracing import runner, semconv
+
+
+def _cfg(tmp_path, tasks=None, **kw):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in (tasks or [{"id": "t1"}])))
+    return runner.RolloutConfig(tasks=str(path), data_dir=str(tmp_path), **kw)
+
+
+def test_resource_attributes_are_appended_and_encoded():
+    out = runner.resource_attributes("deployment.environment=prod,lightspan.task.id=old", "r 1", "a,b=c", "val")
+    pairs = dict(kv.split("=", 1) for kv in out.split(","))
+    assert pairs["deployment.environment"] == "prod"
+    assert unquote(pairs[semconv.TASK_ID]) == "a,b=c"
+    assert unquote(pairs[semconv.ROLLOUT_ID]) == "r 1"
+    assert pairs[semconv.SPLIT] == "val"
+
+
+def test_task_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n{"question": "no id"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2 has no \"id\""):
+        runner.load_tasks(bad)
+    bad.write_text('{"id": 1}\nnot json\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2 is not JSON"):
+        runner.load_tasks(bad)
+    assert runner.load_tasks(_cfg(tmp_path).tasks) == [{"id": "t1"}]
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.tasks"):
+        runner.RolloutConfig(tasks=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="rollout.samples"):
+        _cfg(tmp_path, samples=0)
+
+
+def test_agent_environment_carries_task_version_and_capture_url(tmp_path):
+    cfg = _cfg(tmp_path, openai_base_url="http://127.0.0.1:9/v1", split="val")
+    env = runner.agent_environment(cfg, {"id": "t1", "x": 3}, "t1-abc", 5)
+    assert json.loads(env["LIGHTSPAN_TASK"]) == {"id": "t1", "x": 3}
+    assert env["LIGHTSPAN_MODEL_VERSION"] == "5"
+    assert env["OPENAI_BASE_URL"] == env["LIGHTSPAN_CAPTURE_URLS"] == "http://127.0.0.1:9/v1"
+    assert "lightspan.rollout.id=t1-abc" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    assert "lightspan.split=val" in env["OTEL_RESOURCE_ATTRIBUTES"]
+
+
+def test_policy_version_reads_policy_json(tmp_path):
+    assert runner.policy_version(tmp_path) is None
+    (tmp_path / "policy.json").write_text(json.dumps({"version": 3}))
+    assert runner.policy_version(tmp_path) == 3
+
+
+def _run_one(tmp_path, code: str, timeout_s: float = 60.0):
+    cfg = _cfg(tmp_path, timeout_s=timeout_s)
+    return runner.run_one(cfg, [sys.executable, "-c", code], {"id": "t1"}, 0, None, tmp_path)
+
+
+def test_outcomes_are_classified(tmp_path):
+    ok = _run_one(tmp_path, "import os, json; print(json.loads(os.environ['LIGHTSPAN_TASK'])['id'])")
+    assert (ok.outcome, ok.exit_code) == ("ok", 0)
+    assert (tmp_path / f"{ok.rollout_id}.log").read_text().strip().endswith("t1")
+    failed = _run_one(tmp_path, "raise SystemExit(3)")
+    assert (failed.outcome, failed.exit_code) == ("failed", 3)
+    killed = _run_one(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.outcome == "infra"  # died by a signal the runner did not send: retried
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    out = _run_one(tmp_path, code, timeout_s=8.0)
+    assert out.outcome == "timeout"
+    child = int(pid_file.read_text())
+    # the grandchild was killed with its group: its /proc entry goes (or shows a zombie) at once;
+    # SIGKILL delivery is asynchronous, so poll briefly with a deadline
+    status = Path(f"/proc/{child}/status")
+    deadline = time.monotonic() + 5
+    while status.exists() and "zombie" not in status.read_text().lower() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not status.exists() or "zombie" in status.read_text().lower()
