@@ -1,0 +1,82 @@
+"""Credit policies and reward-to-call matching, hand-computed (lightningrl/credit.py)."""
+
+import numpy as np
+import pytest
+
+from lightspan.lightningrl import credit
+from lightspan.lightningrl.credit import POLICIES, discounted, identical, rewards_per_call
+
+
+def test_policies_are_the_closed_set():
+    assert POLICIES == {"identical": identical, "discounted": discounted}
+
+
+def test_identical_gives_the_final_reward_to_every_call():
+    out = identical(np.array([0.2, 0.0, 1.0]), 1.0, 0.5)
+    np.testing.assert_array_equal(out, [1.0, 1.0, 1.0])
+    assert out.dtype == np.float64
+
+
+def test_identical_ignores_intermediate_rewards_and_gamma():
+    np.testing.assert_array_equal(identical(np.array([5.0, 0.0]), -1.0, 0.1), [-1.0, -1.0])
+
+
+def test_discounted_is_return_to_go():
+    # r = [0.3, 0, 1], γ = 0.5: G2 = 1, G1 = 0 + 0.5·1 = 0.5, G0 = 0.3 + 0.5·0.5 = 0.55
+    np.testing.assert_allclose(discounted(np.array([0.3, 0.0, 1.0]), 1.0, 0.5), [0.55, 0.5, 1.0])
+
+
+def test_discounted_with_gamma_one_sums_the_rewards_still_to_come():
+    np.testing.assert_allclose(discounted(np.array([1.0, 2.0, 3.0]), 3.0, 1.0), [6.0, 5.0, 3.0])
+
+
+def test_discounted_ignores_final_reward_argument():
+    np.testing.assert_allclose(discounted(np.array([0.0, 1.0]), 42.0, 1.0), [1.0, 1.0])
+
+
+def test_empty_rollout():
+    assert len(identical(np.zeros(0), 1.0, 1.0)) == 0
+    assert len(discounted(np.zeros(0), 1.0, 1.0)) == 0
+    assert len(rewards_per_call(np.zeros(0, np.int64), np.array([1]), np.array([1.0]))) == 0
+
+
+def test_reward_goes_to_the_latest_call_ended_at_or_before_it():
+    ends = np.array([10, 20, 30])
+    times = np.array([20, 25, 35, 30])    # at 20 → call 1 (ended exactly then); 25 → 1; 35, 30 → 2
+    values = np.array([1.0, 2.0, 4.0, 8.0])
+    np.testing.assert_allclose(rewards_per_call(ends, times, values), [0.0, 3.0, 12.0])
+
+
+def test_reward_before_any_call_goes_to_the_first_call():
+    np.testing.assert_allclose(rewards_per_call(np.array([10, 20]), np.array([5, 15]), np.array([0.5, 1.0])),
+                               [1.5, 0.0])
+
+
+def test_overlapping_calls_match_by_end_time():
+    # call 0 runs 0–100, call 1 runs 10–50 (calls are in start order): a reward at 60
+    # follows call 1's end only; one at 120 follows call 0's (the latest end).
+    ends = np.array([100, 50])
+    np.testing.assert_allclose(rewards_per_call(ends, np.array([60, 120]), np.array([1.0, 10.0])), [10.0, 1.0])
+
+
+def test_reward_before_every_end_goes_to_call_zero_even_if_another_ended_first():
+    # call 0 runs 0–100, call 1 runs 10–50: a reward at 40 precedes both ends
+    np.testing.assert_allclose(rewards_per_call(np.array([100, 50]), np.array([40]), np.array([1.0])), [1.0, 0.0])
+
+
+def test_equal_end_times_go_to_the_later_call():
+    np.testing.assert_allclose(rewards_per_call(np.array([10, 10]), np.array([10]), np.array([1.0])), [0.0, 1.0])
+
+
+def test_module_docstring_cites_and_numbers_deviations():
+    doc = credit.__doc__
+    assert "2508.03680" in doc and "Sutton" in doc
+    assert "\n1. " in doc
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_policies_are_pure(policy):
+    r = np.array([0.1, 0.2])
+    before = r.copy()
+    POLICIES[policy](r, 0.2, 0.9)
+    np.testing.assert_array_equal(r, before)
