@@ -25,6 +25,8 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+LLM_REQUEST_TYPE = "llm.request.type"
+"""traceloop's older name for the operation (``chat``, ``completion``)."""
 SERVICE_NAME = "service.name"
 
 # --- lightspan: what RL needs on top ---------------------------------------------------------

@@ -1,0 +1,82 @@
+"""The collector's configuration: one frozen dataclass, resolved by :mod:`lightspan.config`.
+
+Build it with ``resolve(CollectorConfig, section="collector", file=..., cli=...)``; every field
+is also ``LIGHTSPAN_COLLECTOR_<FIELD>`` in the environment (``data_dir`` also answers to
+``LIGHTSPAN_DATA_DIR``, the variable every lightspan component reads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightspan.config import ConfigError, option
+
+SECTION = "collector"
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    data_dir: str = option(
+        "./lightspan-data",
+        "Data directory: spans/ (Parquet, hive-partitioned by date) and wal/ live here.",
+        env="LIGHTSPAN_DATA_DIR")
+    host: str = option(
+        "127.0.0.1",
+        "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network.")
+    grpc_port: int = option(4317, "OTLP/gRPC port (the OTLP default is 4317; 0 = any free port).")
+    http_port: int = option(4318, "OTLP/HTTP port, protobuf and JSON (the OTLP default is 4318; 0 = any free port).")
+    api_port: int = option(8321, "Port of /healthz, /metrics and POST /v1/flush (0 = any free port).")
+    flush_interval_s: float = option(
+        1.0,
+        "Seconds between Parquet flushes. Each flush writes one file per date partition, so a "
+        "longer interval means fewer, larger files and more data waiting in the WAL.")
+    max_queue_bytes: int = option(
+        256 * MiB,
+        "Bytes of accepted spans (Arrow size) waiting for Parquet. Past it, exports are refused "
+        "with a retryable status (gRPC UNAVAILABLE + RetryInfo, HTTP 503 + Retry-After).")
+    grpc_max_receive_bytes: int = option(
+        64 * MiB,
+        "Largest gRPC request accepted. gRPC's own default (4 MiB) is smaller than a 512-span "
+        "batch with token ids.")
+    max_http_body_bytes: int = option(
+        64 * MiB,
+        "Largest OTLP/HTTP body, checked before and after gunzip; larger bodies get 413.")
+    retry_after_s: int = option(
+        1,
+        "Seconds a refused client is told to wait (HTTP Retry-After, gRPC RetryInfo).")
+
+    def __post_init__(self) -> None:
+        def fail(name: str, problem: str, fix: str) -> None:
+            raise ConfigError(SECTION, name, problem, fix)
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not isinstance(self.data_dir, str) or not self.data_dir.strip():
+            fail("data_dir", f"{self.data_dir!r} is not a directory path", "give a writable directory")
+        if not isinstance(self.host, str) or not self.host.strip():
+            fail("host", f"{self.host!r} is not a host address", "use 127.0.0.1, or 0.0.0.0 to listen on every interface")
+        for name in ("grpc_port", "http_port", "api_port"):
+            value = getattr(self, name)
+            if not is_int(value) or not 0 <= value <= 65535:
+                fail(name, f"{value!r} is not a port", "use 0..65535 (0 picks a free port)")
+        ports = [getattr(self, n) for n in ("grpc_port", "http_port", "api_port")]
+        nonzero = [p for p in ports if p]
+        if len(set(nonzero)) != len(nonzero):
+            fail("api_port", f"grpc_port, http_port and api_port share a port ({ports})", "give each a different port")
+        if (not isinstance(self.flush_interval_s, (int, float)) or isinstance(self.flush_interval_s, bool)
+                or not math.isfinite(self.flush_interval_s) or self.flush_interval_s <= 0):
+            fail("flush_interval_s", f"{self.flush_interval_s!r} is not a positive number of seconds",
+                 "use a value such as 1.0")
+        for name in ("max_queue_bytes", "grpc_max_receive_bytes", "max_http_body_bytes"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:
+                fail(name, f"{value!r} is not a positive number of bytes", f"use e.g. {64 * MiB} (64 MiB)")
+        if self.grpc_max_receive_bytes >= 1 << 31:
+            fail("grpc_max_receive_bytes", f"{self.grpc_max_receive_bytes} does not fit gRPC's int32 limit",
+                 "use less than 2 GiB")
+        if not is_int(self.retry_after_s) or self.retry_after_s <= 0:
+            fail("retry_after_s", f"{self.retry_after_s!r} is not a positive whole number of seconds",
+                 "use 1 or more (HTTP Retry-After takes whole seconds)")

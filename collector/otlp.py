@@ -1,0 +1,350 @@
+"""OTLP trace requests → rows of :data:`lightspan.collector.store.SPAN_SCHEMA`. Pure functions.
+
+:func:`flatten` turns one ``ExportTraceServiceRequest`` into an Arrow table, one row per span.
+What readers filter or join on is promoted to typed columns (DESIGN.md §3.2); every other
+attribute is kept, JSON-encoded, in the ``attributes`` / ``resource_attributes`` maps.
+
+Malformed input never raises in the middle of a batch: a span with a bad id or with token-id
+bytes whose length is not a multiple of 4 is rejected and counted, its siblings are kept
+(OTLP ``partial_success``). A promoted attribute of an unexpected type (say, a string where
+an int belongs) is not promoted and stays in ``attributes``, so nothing is lost.
+
+Token ids and logprobs arrive as little-endian int32/float32 bytes (``semconv.encode_ids``);
+they are decoded with one ``numpy.frombuffer`` per batch instead of per-span Python lists.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError as _ProtobufDecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from lightspan.collector.store import SPAN_SCHEMA
+from lightspan.tracing import semconv as sc
+
+# traceloop's instrumentation names the operation here when gen_ai.operation.name is absent
+LLM_REQUEST_TYPE = sc.LLM_REQUEST_TYPE
+
+_KIND = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}  # 0 = unspecified
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+_INT64_MAX = (1 << 63) - 1
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+class DecodeError(ValueError):
+    """The request body is not an OTLP trace request (answered with 400 / INVALID_ARGUMENT)."""
+
+
+class _Keep(Exception):
+    """A promoted attribute has an unexpected type: leave it in ``attributes``."""
+
+
+class _Reject(Exception):
+    """The span is malformed: drop it and count it."""
+
+
+# --- AnyValue → Python / JSON -----------------------------------------------------------------
+
+def _py(value: AnyValue):
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":
+        return value.int_value
+    if kind == "double_value":
+        d = value.double_value
+        return d if math.isfinite(d) else ("NaN" if math.isnan(d) else ("Infinity" if d > 0 else "-Infinity"))
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode("ascii")
+    if kind == "array_value":
+        return [_py(v) for v in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _py(kv.value) for kv in value.kvlist_value.values}
+    return None
+
+
+def _json_object(key_values) -> str:
+    return _dumps({kv.key: _py(kv.value) for kv in key_values})
+
+
+# --- converters for promoted attributes ---------------------------------------------------------
+
+def _str(value: AnyValue, key: str) -> str:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":  # e.g. a numeric rollout id
+        return str(value.int_value)
+    raise _Keep
+
+
+def _int(value: AnyValue, key: str) -> int:
+    kind = value.WhichOneof("value")
+    if kind == "int_value":
+        return value.int_value
+    if kind == "double_value" and value.double_value.is_integer() and abs(value.double_value) <= _INT64_MAX:
+        return int(value.double_value)
+    raise _Keep
+
+
+def _float(value: AnyValue, key: str) -> float:
+    kind = value.WhichOneof("value")
+    if kind == "double_value":
+        return value.double_value
+    if kind == "int_value":
+        return float(value.int_value)
+    raise _Keep
+
+
+def _str_list(value: AnyValue, key: str) -> list[str]:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return [value.string_value]
+    if kind == "array_value" and all(v.WhichOneof("value") == "string_value" for v in value.array_value.values):
+        return [v.string_value for v in value.array_value.values]
+    raise _Keep
+
+
+def _packed(value: AnyValue, key: str) -> bytes:
+    """One int32/float32 little-endian bytes value (4 bytes per element)."""
+    if value.WhichOneof("value") != "bytes_value":
+        raise _Keep
+    data = value.bytes_value
+    if len(data) % 4:
+        raise _Reject(f"{key} has {len(data)} bytes, not a multiple of 4")
+    return data
+
+
+def _choices(value: AnyValue, key: str) -> tuple[bytes | None, int]:
+    """One bytes value, or an array of them (one per choice): (choice 0, number of choices)."""
+    kind = value.WhichOneof("value")
+    if kind == "bytes_value":
+        return _packed(value, key), 1
+    if kind == "array_value" and all(v.WhichOneof("value") == "bytes_value" for v in value.array_value.values):
+        choices = [_packed(v, key) for v in value.array_value.values]
+        return (choices[0] if choices else None), len(choices)
+    raise _Keep
+
+
+# (attribute, column, converter): the first attribute that converts fills the column, so a
+# GenAI-convention name wins over the older name that follows it.
+_PROMOTED = [
+    (sc.ROLLOUT_ID, "rollout_id", _str),
+    (sc.TASK_ID, "task_id", _str),
+    (sc.SPLIT, "split", _str),
+    (sc.GEN_AI_OPERATION_NAME, "operation_name", _str),
+    (LLM_REQUEST_TYPE, "operation_name", _str),
+    (sc.GEN_AI_REQUEST_MODEL, "request_model", _str),
+    (sc.GEN_AI_RESPONSE_MODEL, "response_model", _str),
+    (sc.GEN_AI_USAGE_INPUT_TOKENS, "input_tokens", _int),
+    (sc.GEN_AI_USAGE_PROMPT_TOKENS, "input_tokens", _int),
+    (sc.GEN_AI_USAGE_OUTPUT_TOKENS, "output_tokens", _int),
+    (sc.GEN_AI_USAGE_COMPLETION_TOKENS, "output_tokens", _int),
+    (sc.GEN_AI_RESPONSE_FINISH_REASONS, "finish_reasons", _str_list),
+    (sc.GEN_AI_AGENT_NAME, "agent_name", _str),
+    (sc.GEN_AI_INPUT_MESSAGES, "input_messages", _str),
+    (sc.GEN_AI_OUTPUT_MESSAGES, "output_messages", _str),
+    (sc.PROMPT_TOKEN_IDS, "prompt_token_ids", _packed),
+    (sc.COMPLETION_TOKEN_IDS, "completion_token_ids", _choices),
+    (sc.COMPLETION_LOGPROBS, "completion_logprobs", _choices),
+    (sc.MODEL_VERSION, "model_version", _int),
+    (sc.CAPTURE_STATUS, "capture_status", _str),
+    (sc.REWARD, "reward", _float),
+    (sc.REWARD_NAME, "reward_name", _str),
+]
+# grouping columns that fall back to the resource; service_name comes only from the resource
+_FROM_RESOURCE = [(sc.ROLLOUT_ID, "rollout_id"), (sc.TASK_ID, "task_id"), (sc.SPLIT, "split"),
+                  (sc.SERVICE_NAME, "service_name")]
+_PACKED_COLUMNS = {"prompt_token_ids": "<i4", "completion_token_ids": "<i4", "completion_logprobs": "<f4"}
+_COLUMNS = [f.name for f in SPAN_SCHEMA]
+
+
+def _id(data: bytes, what: str, size: int, zero: bytes) -> str:
+    if len(data) != size:
+        raise _Reject(f"{what} has {len(data)} bytes, want {size}")
+    if data == zero:
+        raise _Reject(f"{what} is all zeros")
+    return data.hex()
+
+
+def _time(ns: int, what: str) -> int:
+    if ns > _INT64_MAX:
+        raise _Reject(f"{what} {ns} does not fit int64 nanoseconds")
+    return ns
+
+
+def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) -> dict:
+    """One row as a column → value dict. Raises _Reject for a malformed span."""
+    row = {
+        "trace_id": _id(span.trace_id, "trace_id", 16, _ZERO_TRACE),
+        "span_id": _id(span.span_id, "span_id", 8, _ZERO_SPAN),
+        "parent_span_id": (_id(span.parent_span_id, "parent_span_id", 8, _ZERO_SPAN)
+                           if span.parent_span_id else None),
+        "name": span.name,
+        "kind": _KIND.get(span.kind, "INTERNAL"),  # the spec lets receivers read UNSPECIFIED as INTERNAL
+        "scope_name": scope_name or None,
+        "start_time_unix_nano": _time(span.start_time_unix_nano, "start_time_unix_nano"),
+        "end_time_unix_nano": _time(span.end_time_unix_nano, "end_time_unix_nano"),
+        "status_code": _STATUS.get(span.status.code, "UNSET"),
+        "status_message": span.status.message or None,
+        "received_unix_nano": received_unix_nano,
+    }
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    keep_anyway = set()
+    promoted = set()
+    for key, column, convert in _PROMOTED:
+        if column in row or key not in attrs:
+            continue
+        try:
+            value = convert(attrs[key], key)
+        except _Keep:
+            continue
+        if convert is _choices:
+            value, num_choices = value
+            if num_choices > 1:
+                keep_anyway.add(key)  # the schema holds choice 0; the others stay in attributes
+            row.setdefault("num_choices", num_choices)
+        row[column] = value
+        promoted.add(key)
+    promoted -= keep_anyway
+    span_grouping = False
+    for key, column in _FROM_RESOURCE:
+        if column in row:
+            span_grouping = span_grouping or column in resource["values"]
+        elif column in resource["values"]:
+            row[column] = resource["values"][column]
+    # a span that overrides a resource grouping attribute keeps the resource's value visible
+    row["resource_attributes"] = resource["all"] if span_grouping else resource["rest"]
+    row["attributes"] = [(k, _dumps(_py(v))) for k, v in attrs.items() if k not in promoted]
+    row["events"] = [{"time_unix_nano": _time(e.time_unix_nano, "event time"), "name": e.name,
+                      "attributes": _json_object(e.attributes)} for e in span.events]
+    row["links"] = [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
+                     "attributes": _json_object(link.attributes)} for link in span.links]
+    return row
+
+
+def _resource(resource_spans) -> dict:
+    attrs = {kv.key: kv.value for kv in resource_spans.resource.attributes}
+    values, used = {}, set()
+    for key, column in _FROM_RESOURCE:
+        if key in attrs:
+            try:
+                values[column] = _str(attrs[key], key)
+                used.add(key)
+            except _Keep:
+                pass
+    items = [(k, _dumps(_py(v))) for k, v in attrs.items()]
+    return {"values": values, "all": items, "rest": [(k, v) for k, v in items if k not in used]}
+
+
+def _packed_array(chunks: list, dtype: str, type_: pa.DataType) -> pa.Array:
+    """list<int32|float32> from per-row little-endian bytes (None = null) without Python lists."""
+    lengths = np.fromiter((len(c) // 4 if c is not None else 0 for c in chunks), dtype=np.int64, count=len(chunks))
+    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.frombuffer(b"".join(c for c in chunks if c), dtype=dtype).astype(dtype[1:], copy=False)
+    mask = pa.array([c is None for c in chunks], type=pa.bool_())
+    array = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
+    return array.cast(type_)
+
+
+def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tuple[pa.Table, int, str | None]:
+    """One row per span in ``SPAN_SCHEMA``; returns (table, spans rejected, first rejection reason)."""
+    columns: dict[str, list] = {name: [] for name in _COLUMNS}
+    rejected, first_error = 0, None
+    for r, resource_spans in enumerate(request.resource_spans):
+        resource = _resource(resource_spans)
+        for s, scope_spans in enumerate(resource_spans.scope_spans):
+            scope_name = scope_spans.scope.name
+            for i, span in enumerate(scope_spans.spans):
+                try:
+                    row = _span_row(span, scope_name, resource, received_unix_nano)
+                except (_Reject, ValueError, TypeError, OverflowError) as exc:
+                    rejected += 1
+                    if first_error is None:
+                        first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
+                    continue
+                for name in _COLUMNS:
+                    columns[name].append(row.get(name))
+    arrays = []
+    for field in SPAN_SCHEMA:
+        values = columns[field.name]
+        if field.name in _PACKED_COLUMNS:
+            arrays.append(_packed_array(values, _PACKED_COLUMNS[field.name], field.type))
+        else:
+            arrays.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
+
+
+def count_spans(request: ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+def parse_protobuf_request(body: bytes) -> ExportTraceServiceRequest:
+    """Binary protobuf (OTLP/gRPC and ``application/x-protobuf``)."""
+    try:
+        return ExportTraceServiceRequest.FromString(body)
+    except _ProtobufDecodeError as exc:
+        raise DecodeError(f"not an OTLP ExportTraceServiceRequest: {exc}") from None
+
+
+_ID_KEYS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+
+
+def _hex_ids_to_base64(obj: dict, where: str) -> None:
+    # OTLP/JSON writes ids as hex where protobuf's JSON mapping expects base64 bytes
+    for key in _ID_KEYS:
+        value = obj.get(key)
+        if isinstance(value, str):
+            try:
+                obj[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
+            except ValueError:
+                raise DecodeError(f"{where}.{key} {value[:40]!r} is not hex") from None
+
+
+def _items(obj, *keys) -> list:
+    if not isinstance(obj, dict):
+        return []
+    for key in keys:
+        value = obj.get(key)
+        if isinstance(value, list):
+            return value
+    return []
+
+
+def parse_json_request(body: bytes) -> ExportTraceServiceRequest:
+    """OTLP/JSON (``application/json``): lowerCamelCase keys, hex ids, integer enums, unknown
+    fields ignored."""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DecodeError(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise DecodeError("body is not a JSON object")
+    for r, rs in enumerate(_items(doc, "resourceSpans", "resource_spans")):
+        for s, ss in enumerate(_items(rs, "scopeSpans", "scope_spans")):
+            for i, span in enumerate(_items(ss, "spans")):
+                if not isinstance(span, dict):
+                    continue
+                where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
+                _hex_ids_to_base64(span, where)
+                for j, link in enumerate(_items(span, "links")):
+                    if isinstance(link, dict):
+                        _hex_ids_to_base64(link, f"{where}.links[{j}]")
+    try:
+        return json_format.ParseDict(doc, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+    except (json_format.ParseError, ValueError, TypeError, RecursionError, binascii.Error) as exc:
+        raise DecodeError(f"not an OTLP/JSON trace request: {exc}") from None
