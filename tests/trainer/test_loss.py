@@ -1,0 +1,130 @@
+"""The loss functions on tiny hand-computed tensors (trainer/loss.py)."""
+
+import math
+
+import pytest
+import torch
+
+from lightspan.trainer.loss import (AGGREGATIONS, BatchTotals, k3_kl, policy_loss, token_logprobs,
+                                    truncated_is_weight)
+
+torch.set_num_threads(1)
+
+EPS, EPS_HIGH = 0.2, 0.28
+# two completions: 2 tokens (third is padding) and 3 tokens
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
+ADV = torch.tensor([1.0, -2.0])
+# ratios r = pi / pi_old; the padded position gets a wild ratio that must not count
+RATIO = torch.tensor([[1.1, 1.5, 5.0], [0.5, 1.0, 1.3]])
+# per-token -min(r A, clip(r, 0.8, 1.28) A):
+#   A = +1: r 1.1 -> -1.1;  r 1.5 -> -1.28 (clipped high)
+#   A = -2: r 0.5 -> 2 * 0.8 = 1.6 (clipped low);  r 1.0 -> 2.0;  r 1.3 -> 2 * 1.3 = 2.6 (upper clip
+#           does not bind on a negative advantage)
+EXPECTED = {
+    "grpo": ((-1.1 - 1.28) / 2 + (1.6 + 2.0 + 2.6) / 3) / 2,   # per-sequence means, then mean
+    "dapo": (-1.1 - 1.28 + 1.6 + 2.0 + 2.6) / 5,                # all tokens equal
+    "dr_grpo": (-1.1 - 1.28 + 1.6 + 2.0 + 2.6) / (2 * 3),       # sequences x longest completion
+}
+
+
+def _loss(loss_type, ratio=RATIO, **kwargs):
+    old = torch.log(torch.tensor([[0.3, 0.2, 0.1], [0.4, 0.25, 0.5]]))
+    logprobs = (old + torch.log(ratio)).requires_grad_()
+    loss, metrics = policy_loss(logprobs, old, ADV, MASK, loss_type=loss_type, epsilon=EPS,
+                                epsilon_high=EPS_HIGH, **kwargs)
+    return loss, metrics, logprobs
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+def test_loss_value_per_loss_type(loss_type):
+    loss, metrics, _ = _loss(loss_type, is_correction="none")
+    assert loss.item() == pytest.approx(EXPECTED[loss_type], abs=1e-6)
+    assert metrics["clip_ratio"] == pytest.approx(2 / 5)        # one high, one low, of 5 tokens
+    assert metrics["clip_ratio_high"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio_low"] == pytest.approx(1 / 5)
+    assert metrics["num_tokens"] == 5
+
+
+def test_clipped_tokens_get_no_gradient():
+    # d loss / d logprob = d loss / d r * r; dapo: -A r / T where unclipped, 0 where clipped
+    loss, _, logprobs = _loss("dapo", is_correction="none")
+    loss.backward()
+    expected = torch.tensor([[-1.1 / 5, 0.0, 0.0], [0.0, 2.0 * 1.0 / 5, 2.0 * 1.3 / 5]])
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+
+
+def test_positive_advantage_below_the_lower_clip_still_learns():
+    # r = 0.5 < 1 - eps with A > 0: min picks r A (unclipped), so the gradient pushes it up
+    ratio = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    loss, metrics, logprobs = _loss("dapo", ratio=ratio, is_correction="none")
+    loss.backward()
+    assert logprobs.grad[0, 0].item() == pytest.approx(-1.0 * 0.5 / 5)
+    assert metrics["clip_ratio"] == 0
+
+
+def test_truncated_importance_sampling():
+    old = torch.log(torch.tensor([[0.3, 0.2]]))
+    # pi_old / pi_vllm = 3.0 (truncated to the cap 2.0) and 0.5
+    behaviour = old - torch.log(torch.tensor([[3.0, 0.5]]))
+    weight, raw = truncated_is_weight(old, behaviour, cap=2.0)
+    assert torch.allclose(weight, torch.tensor([[2.0, 0.5]]))
+    assert torch.allclose(raw, torch.tensor([[3.0, 0.5]]))
+    mask, adv = torch.ones(1, 2), torch.tensor([1.0])
+    kw = dict(loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH, is_cap=2.0)
+    loss, metrics = policy_loss(old.clone(), old, adv, mask, behaviour_logprobs=behaviour, **kw)
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)         # ratio 1, weights 2.0 and 0.5
+    assert metrics["is_ratio_mean"] == pytest.approx(1.25)
+    assert metrics["is_truncated"] == pytest.approx(0.5)
+    assert metrics["is_ratio_max"] == pytest.approx(3.0)
+    loss, metrics = policy_loss(old.clone(), old, adv, mask, behaviour_logprobs=behaviour,
+                                is_correction="none", **kw)
+    assert loss.item() == pytest.approx(-1.0)
+    assert metrics["is_ratio_mean"] == 1.0
+
+
+def test_k3_kl_and_beta():
+    logprobs = torch.log(torch.tensor([[0.25]]))
+    ref = torch.log(torch.tensor([[0.5]]))                           # pi_ref / pi = 2
+    assert k3_kl(logprobs, ref).item() == pytest.approx(2 - math.log(2) - 1)
+    loss, metrics = policy_loss(logprobs, logprobs, torch.tensor([0.0]), torch.ones(1, 1), loss_type="dapo",
+                                epsilon=EPS, epsilon_high=EPS_HIGH, ref_logprobs=ref, beta=0.1)
+    assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
+    assert metrics["kl"] == pytest.approx(1 - math.log(2))
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+def test_micro_batches_sum_to_the_full_batch_loss(loss_type):
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    old = -torch.rand(4, 4) * 3
+    logprobs = old + 0.3 * torch.randn(4, 4)
+    behaviour = old + 0.2 * torch.randn(4, 4)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
+    kw = dict(loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, is_cap=2.0)
+    full, _ = policy_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour, **kw)
+    totals = BatchTotals.of(mask)
+    # a micro-batch is padded only to its own longest completion
+    parts = [policy_loss(logprobs[s, :w], old[s, :w], adv[s], mask[s, :w], behaviour_logprobs=behaviour[s, :w],
+                         totals=totals, **kw)[0] for s, w in ((slice(0, 2), 3), (slice(2, 4), 4))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), abs=1e-6)
+
+
+def test_token_logprobs_with_padding_match_one_sequence_at_a_time(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    seqs = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14])]
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 0, 0], [0, 0, 0, 0, 10, 11, 12, 13, 14]])  # 0 = padding
+    attention = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    with torch.no_grad():
+        logprobs, entropy = token_logprobs(model, input_ids, attention, completion_mask)
+        for i, (prompt, completion) in enumerate(seqs):
+            full = torch.tensor([prompt + completion])
+            logits = model(full).logits[0].log_softmax(-1)
+            for j, tok in enumerate(completion):
+                pos = len(prompt) + j
+                assert logprobs[i, j].item() == pytest.approx(logits[pos - 1, tok].item(), abs=1e-5)
+                h = -(logits[pos - 1].exp() * logits[pos - 1]).sum()
+                assert entropy[i, j].item() == pytest.approx(h.item(), abs=1e-5)
+    assert logprobs[0, 2:].abs().sum() == 0 and entropy[0, 2:].abs().sum() == 0

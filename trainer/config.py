@@ -1,0 +1,125 @@
+"""The trainer's one config dataclass: each field's help is its documentation and its ``--help``.
+
+Resolved by :func:`lightspan.config.resolve` (defaults < TOML ``[trainer]`` < environment <
+command line) and written as ``trainer_config.json`` into every checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lightspan.config import ConfigError, option
+
+SECTION = "trainer"
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+IS_CORRECTIONS = ("token_truncate", "none")
+SYNCS = ("reload", "none")
+MODES = ("once", "continuous", "every")
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"30m"``, ``"10s"``, ``"1h30m"``; ValueError otherwise."""
+    text = text.strip().lower()
+    parts = _DURATION_PART.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    # where things are
+    data_dir: str = option("./lightspan-data", "Data directory: transitions are read from it, "
+                           "train_steps and policy.json are written to it.", env="LIGHTSPAN_DATA_DIR")
+    model: str = option("", "Initial model directory (safetensors + tokenizer): policy version 0.")
+    output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints.")
+    # weight sync
+    vllm_url: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server to push weights to.")
+    served_model_name: str = option("policy", "The name vLLM serves the policy under (used to verify a sync).")
+    sync: str = option("reload", "Weight sync backend: 'reload' (save safetensors, vLLM reloads them "
+                       "in place; needs VLLM_SERVER_DEV_MODE=1) or 'none' (only write policy.json).",
+                       choices=SYNCS)
+    # the objective
+    loss_type: str = option("dapo", "Loss aggregation: 'grpo' (mean over each sequence's tokens, then "
+                            "over sequences; Shao et al. 2024), 'dapo' (mean over all tokens; Yu et al. "
+                            "2025), 'dr_grpo' (sum / (sequences x max completion length); Liu et al. 2025). "
+                            "TRL's default is 'dapo'.", choices=LOSS_TYPES)
+    epsilon: float = option(0.2, "Lower clip range: the ratio is clipped below at 1 - epsilon.")
+    epsilon_high: float = option(0.28, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
+                                 "(DAPO clip-higher; set it equal to epsilon for the symmetric clip of PPO/GRPO).")
+    beta: float = option(0.0, "KL coefficient to the initial model (k3 estimator). 0 (TRL's default) "
+                         "loads no reference model.")
+    is_correction: str = option("token_truncate", "Importance sampling against the logprobs vLLM recorded "
+                                "at sampling time: 'token_truncate' weights each token by "
+                                "min(pi_old / pi_vllm, is_cap) (truncated IS, Yao et al. 2025); 'none' off.",
+                                choices=IS_CORRECTIONS)
+    is_cap: float = option(2.0, "Truncation cap C of the importance sampling weight.")
+    num_iterations: int = option(1, "Optimisation passes over each batch (mu in the GRPO paper). With 1 the "
+                                 "update is on-policy w.r.t. the trainer's weights and the ratio is 1.")
+    # optimisation
+    learning_rate: float = option(1e-5, "AdamW learning rate (constant).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    max_grad_norm: float = option(1.0, "Clip the gradient's global norm to this; 0 disables clipping.")
+    micro_batch_size: int = option(8, "Transitions per forward/backward pass; gradients accumulate "
+                                   "over the micro-batches of one step.")
+    # data
+    batch_size: int = option(64, "At most this many transitions per optimizer step, oldest first; "
+                             "0 takes every new one.")
+    min_transitions: int = option(1, "Train when at least this many new, fresh, nonzero-advantage "
+                                  "transitions exist.")
+    max_staleness: int = option(4, "Skip (and count) transitions served by a policy more than this many "
+                                "versions behind the trainer.")
+    # schedule
+    mode: str = option("once", "'once': one step if there is data (for cron); 'continuous': poll and "
+                       "train as data arrives; 'every': a 'once' run on the schedule given by --every.",
+                       choices=MODES)
+    every: str = option("", "Schedule of mode 'every', a duration such as '30m', '10s', '1h30m'.")
+    poll_interval_s: float = option(1.0, "Seconds between polls for new transitions in continuous mode.")
+    max_steps: int = option(0, "Stop continuous mode after this many steps; 0 = unlimited.")
+    # reproducibility and housekeeping
+    seed: int = option(0, "Seed of torch's and Python's random number generators at version 0.")
+    torch_threads: int = option(0, "torch.set_num_threads; 0 keeps torch's default.")
+    keep_checkpoints: int = option(2, "Keep the newest this many checkpoints; older ones are deleted.")
+
+    def __post_init__(self):
+        def fail(name, problem, fix):
+            raise ConfigError(SECTION, name, problem, fix)
+
+        for name, choices in (("loss_type", LOSS_TYPES), ("is_correction", IS_CORRECTIONS),
+                              ("sync", SYNCS), ("mode", MODES)):
+            if getattr(self, name) not in choices:
+                fail(name, f"{getattr(self, name)!r} is not allowed", f"use one of: {', '.join(choices)}")
+        if not self.model:
+            fail("model", "no initial model directory given", "pass --model DIR (safetensors + tokenizer)")
+        if self.mode == "every":
+            try:
+                if parse_duration(self.every) <= 0:
+                    raise ValueError
+            except ValueError:
+                fail("every", f"mode 'every' needs a positive duration, got {self.every!r}",
+                     "pass e.g. --every 30m (units ms, s, m, h, d)")
+        if not self.learning_rate > 0:
+            fail("learning_rate", f"must be > 0, got {self.learning_rate}", "pass e.g. --learning-rate 1e-5")
+        for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta"):
+            if getattr(self, name) < 0:
+                fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass a non-negative {name}")
+        if self.epsilon >= 1:
+            fail("epsilon", f"must be < 1 (the ratio is clipped below at 1 - epsilon), got {self.epsilon}",
+                 "pass e.g. --epsilon 0.2")
+        if not self.is_cap >= 1:
+            fail("is_cap", f"must be >= 1, got {self.is_cap}", "pass e.g. --is-cap 2.0")
+        for name in ("micro_batch_size", "min_transitions", "num_iterations", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                fail(name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
+        for name in ("batch_size", "max_staleness", "max_steps", "torch_threads"):
+            if getattr(self, name) < 0:
+                fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass 0 or a positive {name}")
+        if self.batch_size and self.batch_size < self.min_transitions:
+            fail("batch_size", f"{self.batch_size} is below min_transitions={self.min_transitions}, so no "
+                 "step could ever start", "raise batch_size or lower min_transitions")
+        if not self.poll_interval_s > 0:
+            fail("poll_interval_s", f"must be > 0, got {self.poll_interval_s}", "pass e.g. --poll-interval-s 1")

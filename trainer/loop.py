@@ -1,0 +1,505 @@
+"""The training loop: new transitions in, a new policy version out, pushed to vLLM.
+
+One step, flat (``Trainer.train_once``)::
+
+    next_batch   transitions after the cursor, oldest first: skip (and count) the stale, the
+                 malformed and the zero-advantage ones (no gradient), take <= batch_size
+    step         micro-batches -> token logprobs -> clipped, IS-corrected loss (trainer/loss.py)
+                 -> accumulated gradient -> clip -> AdamW; version + 1
+    save         output_dir/v{version:06d}/: safetensors + tokenizer + trainer_state.pt +
+                 trainer_config.json, written to a temp dir and renamed
+    publish      weight sync (trainer/sync.py) -> verify one fixed sequence against vLLM ->
+                 data_dir/policy.json (atomic) -> prune old checkpoints -> one train_steps row
+
+Everything resume needs is in :data:`RESUME_STATE` and saved in every checkpoint, so a
+restarted trainer continues exactly: same weights, optimizer moments, RNG and data cursor.
+The cursor (created_unix_nano, transition_id) moves with the checkpoint, so each transition
+is trained at most once.
+
+Choices worth knowing:
+1. A transition without a model_version counts as stale: its staleness cannot be bounded.
+2. Zero-advantage transitions are left out even when beta > 0, where they would carry only
+   the KL term's gradient.
+3. A transition rebuilt after the cursor passed it (same transition_id, later
+   created_unix_nano) is trained again; within one batch only the newest build counts.
+4. If the weight sync fails the checkpoint stays saved and the run exits with code 1; the
+   next start publishes it (``ensure_published``) before training on.
+5. Single process: accelerate places the model, but the batch is not sharded across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from lightspan.collector import store
+from lightspan.config import to_dict
+from lightspan.trainer.config import TrainerConfig, parse_duration
+from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
+from lightspan.trainer.sync import NoSync, ReloadSync, SyncError, WeightSync, verify
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "trainer_config.json"       # config.json is the model's: vLLM reads it
+POLICY_FILE = "policy.json"
+RESUME_STATE = ("version", "cursor", "run_id", "optimizer", "rng")
+VERIFY_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
+_CHECKPOINT = re.compile(r"v(\d{6,})")
+# model files save_pretrained writes itself; everything else in the model dir is copied along
+_MODEL_FILES = re.compile(r"(config\.json|generation_config\.json|.*\.safetensors|.*\.bin|.*\.index\.json|"
+                          r".*\.gguf|.*\.pt|.*\.pth)")
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    """The last transition consumed, in (created_unix_nano, transition_id) order."""
+
+    created_unix_nano: int = -1
+    transition_id: str = ""
+
+
+@dataclass
+class Batch:
+    rows: list[dict]                  # transitions to train on, oldest first
+    cursor: Cursor                    # where the cursor goes once they are trained
+    skipped_stale: int = 0            # model_version < version - max_staleness, or unknown
+    skipped_malformed: int = 0        # no tokens, logprobs misaligned, ids outside the vocab, too long
+    zero_advantage: int = 0           # no gradient: left out of the forward pass
+    reward_mean: float | None = None  # over the rollouts of the fresh transitions consumed
+    staleness_mean: float = 0.0       # version - model_version over the trained rows
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor           # (B, P + C): prompts left-padded, completions right-padded
+    attention_mask: torch.Tensor      # (B, P + C)
+    completion_mask: torch.Tensor     # (B, C)
+    behaviour_logprobs: torch.Tensor  # (B, C): vLLM's logprobs at sampling time
+    advantages: torch.Tensor          # (B,)
+
+
+def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+    """Left-pad the prompts and right-pad the completions, so completions end the sequence."""
+    from trl.trainer.utils import pad
+
+    def ints(key):
+        return [torch.tensor(r[key], dtype=torch.long) for r in rows]
+
+    prompts, completions = ints("prompt_token_ids"), ints("completion_token_ids")
+    ones = lambda ts: [torch.ones_like(t) for t in ts]  # noqa: E731
+    input_ids = torch.cat([pad(prompts, pad_id, "left"), pad(completions, pad_id, "right")], dim=1)
+    completion_mask = pad(ones(completions), 0, "right")
+    attention_mask = torch.cat([pad(ones(prompts), 0, "left"), completion_mask], dim=1)
+    behaviour = pad([torch.tensor(r["completion_logprobs"], dtype=torch.float32) for r in rows], 0.0, "right")
+    advantages = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
+    return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, completion_mask, behaviour, advantages)))
+
+
+# The new transitions after the cursor, classified once. Only light columns: the token lists
+# of the rows chosen are read afterwards, by key. A temp table keeps one snapshot: files that
+# land while a batch is chosen wait for the next one instead of being skipped by the cursor.
+_NEW_SQL = """
+CREATE OR REPLACE TEMP TABLE new AS
+SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
+       coalesce(model_version >= $min_version, false) AS fresh,
+       coalesce(len(completion_token_ids) > 0
+                AND len(completion_logprobs) = len(completion_token_ids)
+                AND len(prompt_token_ids) > 0
+                AND list_min(prompt_token_ids) >= 0 AND list_max(prompt_token_ids) < $vocab
+                AND list_min(completion_token_ids) >= 0 AND list_max(completion_token_ids) < $vocab
+                AND len(prompt_token_ids) + len(completion_token_ids) <= $max_len
+                AND isfinite(coalesce(advantage, 0)), false) AS wellformed,
+       coalesce(advantage, 0) <> 0 AS nonzero
+FROM transitions
+WHERE coalesce(split, 'train') = 'train'
+  AND (created_unix_nano > $created OR (created_unix_nano = $created AND transition_id > $tid))
+QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
+"""
+_UPTO = "(created_unix_nano < $created OR (created_unix_nano = $created AND transition_id <= $tid))"
+
+
+class Trainer:
+    """Model, optimizer, data cursor and RNG of one training run; see the module docstring."""
+
+    def __init__(self, config: TrainerConfig, *, sync: WeightSync | None = None):
+        from accelerate import Accelerator
+
+        self.config = config
+        self.data_dir = store.data_dir(config.data_dir)
+        self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
+        self.sync = sync or (ReloadSync(config.vllm_url) if config.sync == "reload" else NoSync())
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        # the resume state (RESUME_STATE), set by load_or_init
+        self.version = 0
+        self.cursor = Cursor()
+        self.run_id = ""
+        self.model = self.optimizer = self.ref_model = self.tokenizer = None
+        self.model_source: Path | None = None     # where tokenizer files are copied from
+
+    # ---- state ------------------------------------------------------------------------------
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints in output_dir, oldest first."""
+        if not self.output_dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.output_dir.iterdir()
+                 if (m := _CHECKPOINT.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
+        return sorted(found)
+
+    def load_or_init(self) -> None:
+        """Resume from the newest checkpoint in output_dir exactly, else start at version 0."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.config
+        found = self.checkpoints()
+        source = found[-1][1] if found else Path(cfg.model)
+        if not (source / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {source} (config.json missing): pass --model DIR")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        _untie(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        if found:
+            state = torch.load(source / STATE_FILE, weights_only=True)
+            missing = [k for k in RESUME_STATE if k not in state]
+            if missing:
+                raise ValueError(f"{source / STATE_FILE} lacks {missing}: not a lightspan checkpoint")
+            optimizer.load_state_dict(state["optimizer"])
+            for group in optimizer.param_groups:        # the config, not the checkpoint, sets these
+                group.update(lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            self.version, self.cursor, self.run_id = state["version"], Cursor(*state["cursor"]), state["run_id"]
+            _set_rng(state["rng"])
+            log.info("resumed version %d from %s (cursor %s)", self.version, source, self.cursor)
+        else:
+            self.version, self.cursor, self.run_id = 0, Cursor(), uuid.uuid4().hex
+            torch.manual_seed(cfg.seed)
+            random.seed(cfg.seed)
+            log.info("starting at version 0 from %s", source)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model_source = source
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            log.warning("no tokenizer in %s (%s): verifying syncs with fixed token ids", source, exc)
+        if isinstance(self.sync, ReloadSync) and self.sync.serving is None:
+            self.sync.serving = self._served_dir()
+        if cfg.beta:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+            self.ref_model.requires_grad_(False).eval().to(self.accelerator.device)
+
+    def _served_dir(self) -> Path | None:
+        """What vLLM most likely serves: the published checkpoint, else (at version 0) the model."""
+        published = read_policy(self.data_dir)
+        if published is not None and Path(published.get("path", "")).is_dir():
+            return Path(published["path"])
+        return Path(self.config.model) if self.version == 0 else None
+
+    def _resume_state(self, version: int) -> dict:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"version": version, "cursor": (self.cursor.created_unix_nano, self.cursor.transition_id),
+                "run_id": self.run_id, "optimizer": self.optimizer.state_dict(), "rng": rng}
+
+    # ---- data -------------------------------------------------------------------------------
+    def next_batch(self) -> Batch | None:
+        """The next batch after the cursor, or None if fewer than min_transitions are trainable."""
+        cfg, model_config = self.config, self.accelerator.unwrap_model(self.model).config
+        con = store.connect(self.data_dir)
+        try:
+            con.execute(_NEW_SQL, {
+                "min_version": self.version - cfg.max_staleness, "vocab": model_config.vocab_size,
+                "max_len": getattr(model_config, "max_position_embeddings", None) or 2**31 - 1,
+                "created": self.cursor.created_unix_nano, "tid": self.cursor.transition_id})
+            con.execute("CREATE TEMP TABLE chosen AS SELECT created_unix_nano, transition_id FROM new "
+                        "WHERE fresh AND wellformed AND nonzero ORDER BY 1, 2 LIMIT $n",
+                        {"n": cfg.batch_size or 2**62})
+            keys = con.execute("SELECT * FROM chosen ORDER BY 1, 2").fetchall()
+            if len(keys) < cfg.min_transitions:
+                return None
+            if cfg.batch_size and len(keys) == cfg.batch_size:
+                cutoff = Cursor(*keys[-1])              # full batch: later rows wait for the next step
+            else:
+                cutoff = Cursor(*con.execute("SELECT created_unix_nano, transition_id FROM new "
+                                             "ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchone())
+            upto = {"created": cutoff.created_unix_nano, "tid": cutoff.transition_id}
+            stale, malformed, zero = con.execute(f"""
+                SELECT count(*) FILTER (WHERE NOT fresh),
+                       count(*) FILTER (WHERE fresh AND NOT wellformed),
+                       count(*) FILTER (WHERE fresh AND wellformed AND NOT nonzero)
+                FROM new WHERE {_UPTO}""", upto).fetchone()
+            reward_mean = con.execute(f"""
+                SELECT avg(reward) FROM (SELECT any_value(reward) AS reward FROM new
+                                         WHERE fresh AND {_UPTO} GROUP BY rollout_id)""", upto).fetchone()[0]
+            # the range filter lets DuckDB skip row groups by their min/max statistics
+            cur = con.execute("""
+                SELECT t.transition_id, t.rollout_id, t.task_id, t.prompt_token_ids, t.completion_token_ids,
+                       t.completion_logprobs, t.model_version, t.reward, t.advantage, t.created_unix_nano
+                FROM transitions t JOIN chosen c USING (created_unix_nano, transition_id)
+                WHERE t.created_unix_nano BETWEEN $first AND $last
+                ORDER BY t.created_unix_nano, t.transition_id""",
+                {"first": keys[0][0], "last": keys[-1][0]})
+            names = [d[0] for d in cur.description]
+            rows = [dict(zip(names, values)) for values in cur.fetchall()]
+        finally:
+            con.close()
+        rows = list({r["transition_id"]: r for r in rows}.values())   # a file listed twice reads twice
+        staleness = [self.version - r["model_version"] for r in rows]
+        return Batch(rows=rows, cursor=cutoff, skipped_stale=stale, skipped_malformed=malformed,
+                     zero_advantage=zero, reward_mean=reward_mean,
+                     staleness_mean=sum(staleness) / len(staleness))
+
+    # ---- optimisation -----------------------------------------------------------------------
+    def step(self, batch: Batch) -> dict:
+        """One optimizer step per pass over ``batch`` (num_iterations passes); version + 1."""
+        cfg, model, device = self.config, self.model, self.accelerator.device
+        t0 = time.monotonic()
+        model.train()
+        pad_id = self._pad_id()
+        micro = [collate(batch.rows[i:i + cfg.micro_batch_size], pad_id, device)
+                 for i in range(0, len(batch.rows), cfg.micro_batch_size)]
+        lengths = [len(r["completion_token_ids"]) for r in batch.rows]
+        totals = BatchTotals(len(batch.rows), sum(lengths), max(lengths))
+
+        # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
+        old = [None] * len(micro)
+        ref = [None] * len(micro)
+        with torch.no_grad():
+            for i, mb in enumerate(micro):
+                if cfg.num_iterations > 1:
+                    old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)[0]
+                if self.ref_model is not None:
+                    ref[i] = token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask)[0]
+
+        sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
+        loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
+        for _ in range(cfg.num_iterations):
+            for i, mb in enumerate(micro):
+                logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)
+                loss, m = policy_loss(
+                    logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
+                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                    behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
+                    is_cap=cfg.is_cap, ref_logprobs=ref[i], beta=cfg.beta, totals=totals)
+                self.accelerator.backward(loss)
+                n = m["num_tokens"]
+                m["entropy"] = float(entropy.sum()) / max(n, 1)
+                for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
+                            "is_truncated", "kl", "entropy"):
+                    sums[key] = sums.get(key, 0.0) + m[key] * n
+                loss_total += m["loss"]
+                is_max = max(is_max, m["is_ratio_max"])
+            grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        self.version += 1
+        self.cursor = batch.cursor
+        weight = max(totals.num_tokens * cfg.num_iterations, 1)
+        metrics = {key: value / weight for key, value in sums.items()}
+        advantages = [abs(float(r["advantage"])) for r in batch.rows]
+        metrics.update({
+            "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
+            "num_transitions": len(batch.rows), "num_tokens": totals.num_tokens,
+            "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(advantages) / len(advantages),
+            "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
+            "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
+            "step_seconds": time.monotonic() - t0})
+        return metrics
+
+    def _pad_id(self) -> int:
+        pad_id = getattr(self.tokenizer, "pad_token_id", None)
+        return pad_id if pad_id is not None else 0      # masked out either way
+
+    # ---- checkpoints and publishing --------------------------------------------------------
+    def save(self, version: int) -> Path:
+        """Write output_dir/v{version:06d}/: a new directory, complete once it has its name."""
+        final = self.output_dir / f"v{version:06d}"
+        if final.exists():
+            raise FileExistsError(f"{final} exists: every version gets a new directory")
+        tmp = self.output_dir / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model = self.accelerator.unwrap_model(self.model)
+        _untie(model)
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in self.model_source.iterdir():
+            if f.is_file() and not _MODEL_FILES.fullmatch(f.name) and f.name != CONFIG_FILE:
+                shutil.copy2(f, tmp / f.name)
+        torch.save(self._resume_state(version), tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(to_dict(self.config), indent=2) + "\n")
+        os.replace(tmp, final)
+        self.model_source = final
+        return final
+
+    def prune(self) -> None:
+        """Delete all but the newest keep_checkpoints checkpoints. Called after a sync succeeded:
+        until then the previous one is what vLLM falls back to if the reload fails."""
+        for _, old in self.checkpoints()[:-self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+            log.debug("deleted checkpoint %s", old)
+
+    def verify_sequence(self) -> tuple[list[int], list[float]]:
+        """A fixed short token sequence and the trainer's logprobs of its tokens 1 .. n-1."""
+        model = self.accelerator.unwrap_model(self.model)
+        vocab = model.config.vocab_size
+        ids = self.tokenizer(VERIFY_TEXT)["input_ids"][:32] if self.tokenizer is not None else []
+        if len(ids) < 2 or max(ids) >= vocab:
+            ids = [i % vocab for i in range(1, 33)]
+        t = torch.tensor([ids], device=self.accelerator.device)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, t, torch.ones_like(t), torch.ones_like(t[:, 1:]))
+        model.train(was_training)
+        return ids, logprobs[0].tolist()
+
+    def publish(self, checkpoint: Path, metrics: dict | None = None) -> dict:
+        """Sync ``checkpoint`` to vLLM, verify it, write policy.json and (given metrics) a train_steps row."""
+        sync_metrics = self.sync.push(checkpoint, self.version)
+        diff = None
+        if isinstance(self.sync, ReloadSync):
+            ids, expected = self.verify_sequence()
+            diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
+            level = logging.WARNING if diff > 1e-3 else logging.INFO
+            log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
+        write_policy(self.data_dir, self.version, checkpoint)
+        self.prune()
+        if metrics is None:
+            return {}
+        row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
+               "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
+        names = store.TRAIN_STEP_SCHEMA.names
+        store.write_table(self.data_dir, "train_steps",
+                          pa.Table.from_pylist([{k: row.get(k) for k in names}], schema=store.TRAIN_STEP_SCHEMA))
+        return row
+
+    def ensure_published(self) -> None:
+        """After a crash between save and publish, publish the checkpoint the trainer resumed from."""
+        published = read_policy(self.data_dir)
+        if published is not None and published.get("version") == self.version:
+            return
+        if self.version == 0:                 # vLLM was started on the initial model: nothing to push
+            write_policy(self.data_dir, 0, Path(self.config.model))
+        else:
+            log.info("policy.json says %s, the trainer is at version %d: publishing it",
+                     published and published.get("version"), self.version)
+            self.publish(self.model_source)
+
+    def train_once(self) -> dict | None:
+        """One step if there is a batch: returns the train_steps row, or None."""
+        batch = self.next_batch()
+        if batch is None:
+            return None
+        metrics = self.step(batch)
+        checkpoint = self.save(self.version)
+        row = self.publish(checkpoint, metrics)
+        log.info("version %d: %d transitions, %d tokens, loss %.4f, reward %s, clip %.3f, IS %.3f, "
+                 "entropy %.3f, skipped %d stale / %d zero-advantage / %d malformed, %.2f s + sync %.2f s",
+                 self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
+                 row["clip_ratio"], row["is_ratio_mean"], row["entropy"], row["skipped_stale"],
+                 row["zero_advantage"], row["skipped_malformed"], row["step_seconds"], row["sync_seconds"])
+        return row
+
+
+def write_policy(data_dir: Path, version: int, path: Path) -> None:
+    """data_dir/policy.json = {"version", "path", "time_unix_nano"}, atomically (tmp + rename)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / f".{POLICY_FILE}.tmp"
+    tmp.write_text(json.dumps({"version": version, "path": str(Path(path).resolve()),
+                               "time_unix_nano": time.time_ns()}) + "\n")
+    os.replace(tmp, data_dir / POLICY_FILE)
+
+
+def read_policy(data_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(data_dir) / POLICY_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _untie(model) -> None:
+    """vLLM's in-place reload leaves a tied lm_head stale (FACTS.md): give it its own copy."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None:
+        return
+    if head.weight is embed.weight:
+        log.warning("untying the model's embeddings: lm_head gets its own copy of embed_tokens")
+        head.weight = torch.nn.Parameter(embed.weight.detach().clone())
+    model.config.tie_word_embeddings = False      # or save_pretrained would drop lm_head.weight
+
+
+def _set_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def run(config: TrainerConfig) -> int:
+    """``lightspan train``: once, continuously, or every ``config.every``; returns the exit code."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    trainer = Trainer(config)
+    trainer.load_or_init()
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        trainer.ensure_published()
+        if config.mode == "once":
+            if trainer.train_once() is None:
+                log.info("nothing to train: fewer than %d new trainable transitions in %s",
+                         config.min_transitions, trainer.data_dir)
+            return 0
+        period = parse_duration(config.every) if config.mode == "every" else config.poll_interval_s
+        steps, deadline = 0, time.monotonic()
+        while not stop.is_set():
+            row = trainer.train_once()
+            steps += row is not None
+            if config.max_steps and steps >= config.max_steps:
+                log.info("stopping after %d steps (max_steps)", steps)
+                break
+            if config.mode == "continuous":
+                if row is None:              # more data may be waiting: poll again only when idle
+                    stop.wait(period)
+            else:
+                if row is None:
+                    log.info("nothing to train this round")
+                deadline = max(deadline + period, time.monotonic())   # a step past its slot skips ticks
+                stop.wait(deadline - time.monotonic())
+        return 0
+    except SyncError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        _restore_handlers(previous)
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        if stop.is_set():                    # a second signal: stop now
+            raise KeyboardInterrupt
+        log.info("%s: finishing the current step, then stopping", signal.Signals(signum).name)
+        stop.set()
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

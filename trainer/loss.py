@@ -1,0 +1,178 @@
+"""The GRPO family of clipped policy losses, with truncated importance sampling against vLLM.
+
+Papers:
+- GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), §4.1 eq. 3: the PPO clipped
+  surrogate with a group-relative advantage, averaged over each sequence's tokens, then over
+  the sequences; KL to a reference with the k3 estimator (eq. 4).
+- DAPO: Yu et al. 2025 (arXiv:2503.14476): clip-higher, a larger upper clip range
+  epsilon_high (§3.1), and the token-level loss, every token of the batch weighted equally (§3.3).
+- Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783), §3.1:
+  no per-sequence length normalisation; the sum is divided by a constant.
+- Truncated importance sampling (TIS): Yao et al. 2025, "Your Efficient RL Framework Secretly
+  Brings You Off-Policy RL Training": the sampler's (vLLM's) probabilities differ from the
+  trainer's, so each token's loss is weighted by min(pi_old / pi_vllm, C).
+
+For token t of completion i, with A_i the transition's advantage::
+
+    r_it  = pi_theta(o_it | q_i, o_i<t) / pi_old(o_it | q_i, o_i<t)
+    w_it  = min(pi_old(o_it) / pi_vllm(o_it), C)                            (TIS, no gradient)
+    l_it  = -min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i) w_it + beta KL_it
+    KL_it = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1                 (k3)
+
+and the loss aggregates l_it per loss type (``AGGREGATIONS``).
+
+Deviations from the papers:
+1. Advantages arrive precomputed, one scalar per transition (rollout-level GRPO in the
+   transition builder, ``lightningrl``); nothing here groups or normalises rewards.
+2. pi_old is the trainer's own policy at the start of the step. With one pass per batch
+   (the default) r_it = 1 and the clip never binds; staleness and the vLLM/trainer mismatch
+   are corrected by w_it instead, as TRL does with ``vllm_importance_sampling_correction``.
+3. Dr. GRPO's constant is num_sequences x the longest completion of the step, not a
+   generation budget: the trainer does not generate, so it has none.
+4. Every normaliser counts the whole step's batch (``BatchTotals``), not one micro-batch's,
+   so the micro-batch losses sum to the full-batch loss and gradient accumulation is exact.
+5. The clip range is the same for every loss type; epsilon_high = epsilon gives GRPO's
+   symmetric clip.
+6. The KL reference is the initial model, fixed for the whole run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+Tensor = torch.Tensor
+
+
+class BatchTotals(NamedTuple):
+    """The sizes of a whole step's batch, which every normaliser divides by (deviation 4)."""
+
+    num_sequences: int
+    num_tokens: int
+    max_completion_length: int
+
+    @classmethod
+    def of(cls, completion_mask: Tensor) -> "BatchTotals":
+        lengths = completion_mask.sum(-1)
+        return cls(int(completion_mask.size(0)), int(lengths.sum()), int(lengths.max()) if lengths.numel() else 0)
+
+
+def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """log pi(o_t | q, o_<t) and the entropy of pi(. | q, o_<t) at each completion token.
+
+    ``input_ids`` (B, L) is prompt then completion, prompts left-padded and completions
+    right-padded, so the completions fill the last C = ``completion_mask.size(1)`` positions.
+    Returns two (B, C) tensors, zero where ``completion_mask`` is 0; the entropy has no gradient.
+    """
+    c = completion_mask.size(1)
+    # explicit positions: left padding must not shift the rotary positions vLLM used (0, 1, ...)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=c + 1).logits
+    logits = logits[:, :-1, :]                 # (B, C, V): position t-1 predicts token t
+    targets = input_ids[:, -c:]                # (B, C)
+    mask = completion_mask.to(logits.dtype)
+    logprobs = selective_log_softmax(logits, targets) * mask
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits) * mask
+    return logprobs, entropy
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float, epsilon_high: float) -> Tensor:
+    """-min(r A, clip(r, 1 - eps, 1 + eps_high) A) per token; ``advantages`` (B, 1) broadcasts."""
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def truncated_is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """(min(pi_old / pi_vllm, C), the untruncated ratio); both without gradient (Yao et al. 2025)."""
+    ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs)
+    return torch.clamp(ratio, max=cap), ratio
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """KL(pi_theta || pi_ref) per token, the k3 estimator of GRPO eq. 4 (always >= 0)."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
+    """GRPO: mean over each sequence's own tokens, then mean over the step's sequences."""
+    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sequence.sum() / max(totals.num_sequences, 1)
+
+
+def dapo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
+    """DAPO token-level loss: sum over all tokens / the step's number of tokens."""
+    return (per_token * mask).sum() / max(totals.num_tokens, 1)
+
+
+def dr_grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
+    """Dr. GRPO: sum over all tokens / (sequences x longest completion), a constant per step."""
+    return (per_token * mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
+    "grpo": grpo_aggregate,
+    "dapo": dapo_aggregate,
+    "dr_grpo": dr_grpo_aggregate,
+}
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
+                loss_type: str, epsilon: float, epsilon_high: float,
+                behaviour_logprobs: Tensor | None = None, is_correction: str = "token_truncate",
+                is_cap: float = 2.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                totals: BatchTotals | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The clipped, IS-corrected policy loss of one (micro-)batch and its metrics.
+
+    ``logprobs``, ``old_logprobs``, ``behaviour_logprobs``, ``ref_logprobs`` and
+    ``completion_mask`` are (B, C); ``advantages`` is (B,). ``totals`` are the sizes of the
+    whole step's batch (default: this batch). Metrics are means over this batch's tokens.
+    """
+    aggregate = AGGREGATIONS[loss_type]
+    mask = completion_mask.to(logprobs.dtype)
+    totals = totals or BatchTotals.of(completion_mask)
+    advantages = advantages.to(logprobs.dtype).unsqueeze(1)      # (B, 1), one per transition
+
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    per_token = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
+
+    if behaviour_logprobs is not None and is_correction == "token_truncate":
+        is_weight, is_raw = truncated_is_weight(old_logprobs, behaviour_logprobs, is_cap)
+    else:
+        is_weight = is_raw = torch.ones_like(per_token)
+    per_token = per_token * is_weight
+
+    if beta and ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = per_token + beta * kl
+    else:
+        kl = torch.zeros_like(per_token)
+
+    loss = aggregate(per_token, mask, totals)
+
+    with torch.no_grad():
+        clipped_low = (ratio < 1 - epsilon) & (advantages < 0)
+        clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+        masked_is = is_raw.masked_fill(mask == 0, 0.0)
+        metrics = {
+            "loss": float(loss),
+            "num_tokens": float(mask.sum()),
+            "clip_ratio": _masked_mean((clipped_low | clipped_high).to(mask.dtype), mask),
+            "clip_ratio_low": _masked_mean(clipped_low.to(mask.dtype), mask),
+            "clip_ratio_high": _masked_mean(clipped_high.to(mask.dtype), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+            "is_ratio_mean": _masked_mean(is_weight, mask),
+            "is_ratio_max": float(masked_is.max()) if masked_is.numel() else 0.0,
+            "is_truncated": _masked_mean((is_raw > is_cap).to(mask.dtype), mask),
+            "kl": _masked_mean(kl, mask),
+        }
+    return loss, metrics

@@ -1,0 +1,196 @@
+"""Weight sync: make the vLLM server the agents call serve the trainer's newest weights.
+
+One interface, :class:`WeightSync`, and its backends (DESIGN.md §3.5):
+
+- :class:`ReloadSync` — vLLM re-reads a safetensors checkpoint in place:
+  ``POST /pause?mode=wait`` (drain in-flight requests, so no completion mixes two versions)
+  → ``POST /collective_rpc {"method": "reload_weights", ...}`` → ``POST /reset_prefix_cache``
+  (cached KV blocks were computed by the old weights) → ``POST /resume``, always, even after a
+  failure. Needs ``VLLM_SERVER_DEV_MODE=1``. The model must have untied embeddings (a tied
+  ``lm_head`` stays stale) and every version must be a new directory (FACTS.md).
+- :class:`NoSync` — nothing to push; readers follow ``policy.json``.
+
+The RPC answering 200 says nothing about what vLLM serves afterwards, so :func:`verify`
+compares vLLM's prompt logprobs of a fixed sequence with the trainer's own.
+Only vLLM's public HTTP API is used: nothing here imports vllm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import requests
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """A weight-sync request failed: names the endpoint, the HTTP status and the response body."""
+
+    def __init__(self, endpoint: str, status: int | None, body: str, attempts: int = 1):
+        self.endpoint, self.status, self.body, self.attempts = endpoint, status, body, attempts
+        got = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"weight sync: POST {endpoint} failed after {attempts} attempt(s): {got}: "
+                         f"{body[:500]}")
+
+
+def _retryable(status: int | None) -> bool:
+    # No response (refused, reset, timed out), overload or a gateway: try again. A 500 means the
+    # server ran the request and it raised (for collective_rpc: the worker's exception, e.g. a
+    # path it cannot read), which the same request would raise again; 4xx likewise.
+    return status is None or status in (429, 502, 503, 504)
+
+
+def post(url: str, path: str, *, json: Any = None, params: dict | None = None, timeout_s: float = 300.0,
+         retries: int = 3, backoff_s: float = 0.5) -> requests.Response:
+    """POST ``url + path``; retry connection errors, 429 and 502-504 ``retries`` times with
+    exponential backoff (``backoff_s``, 2x, 4x, ...); raise :class:`SyncError` on the last failure
+    or at once on any other status >= 400."""
+    endpoint = url.rstrip("/") + path
+    for attempt in range(1, retries + 2):
+        try:
+            response = requests.post(endpoint, json=json, params=params, timeout=timeout_s)
+            status, body = response.status_code, response.text
+            if status < 400:
+                return response
+        except requests.RequestException as exc:
+            status, body = None, f"{type(exc).__name__}: {exc}"
+        if not _retryable(status) or attempt > retries:
+            raise SyncError(endpoint + (f"?{_query(params)}" if params else ""), status, body, attempt)
+        delay = backoff_s * 2 ** (attempt - 1)
+        log.warning("POST %s: %s; retry %d/%d in %.1f s", endpoint, status or body, attempt, retries, delay)
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _query(params: dict) -> str:
+    return "&".join(f"{k}={v}" for k, v in params.items())
+
+
+class WeightSync(Protocol):
+    def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
+        """Make the server serve ``checkpoint_dir`` as ``version``; returns metrics in seconds."""
+        ...
+
+
+class NoSync:
+    """No server to update (``sync = "none"``)."""
+
+    def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
+        return {"sync_seconds": 0.0}
+
+
+class ReloadSync:
+    """In-place reload of a safetensors checkpoint by a vLLM server in dev mode.
+
+    vLLM moves the model's weights to the meta device before it reads the new ones, so a reload
+    that fails half-way (unreadable path, corrupt file) leaves an engine that dies on its next
+    request (measured, vLLM 0.32 CPU); a reload that succeeds afterwards repairs it. Hence the
+    checkpoint is checked before vLLM sees it, and a failed reload is followed by a reload of
+    ``serving``, the last directory known to load.
+    """
+
+    def __init__(self, url: str, *, serving: str | os.PathLike | None = None, timeout_s: float = 300.0,
+                 retries: int = 3, backoff_s: float = 0.5):
+        self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+        self.serving: Path | None = Path(serving).resolve() if serving else None
+
+    def _post(self, path: str, **kwargs) -> requests.Response:
+        return post(self.url, path, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
+                    **kwargs)
+
+    def _reload(self, path: Path) -> None:
+        self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+
+    def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
+        path = Path(checkpoint_dir).resolve()        # vLLM resolves paths in its own working directory
+        if path == self.serving:
+            raise ValueError(f"vLLM serves {path} already: save each version to a new directory "
+                             "(vLLM re-reading one path has served stale weights)")
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"{path} is not a safetensors checkpoint (config.json + *.safetensors); "
+                                    "vLLM was not asked to load it")
+        t0 = time.monotonic()
+        try:
+            self._post("/pause", params={"mode": "wait"})
+            t_rpc = time.monotonic()
+            try:
+                self._reload(path)
+            except SyncError as exc:
+                self._recover(exc)
+                raise
+            rpc_seconds = time.monotonic() - t_rpc
+            self._reset_prefix_cache()
+        except BaseException:
+            try:
+                self._post("/resume")
+            except SyncError as exc:     # keep the first error; this one is only logged
+                log.error("resume after a failed sync also failed: %s", exc)
+            raise
+        self._post("/resume")
+        self.serving = path
+        seconds = time.monotonic() - t0
+        log.info("vLLM at %s reloaded version %d from %s in %.2f s", self.url, version, path, seconds)
+        return {"sync_seconds": seconds, "sync_rpc_seconds": rpc_seconds}
+
+    def _recover(self, exc: SyncError) -> None:
+        if self.serving is None:
+            exc.add_note("no earlier checkpoint is known: vLLM may fail every request until a reload "
+                         "succeeds or it restarts")
+        else:
+            try:
+                self._reload(self.serving)
+                exc.add_note(f"vLLM reloaded {self.serving} again and serves it")
+            except SyncError as again:
+                exc.add_note(f"reloading {self.serving} failed too ({again}): vLLM may fail every request "
+                             "until a reload succeeds or it restarts")
+        log.error("%s; %s", exc, "; ".join(exc.__notes__))
+
+    def _reset_prefix_cache(self) -> None:
+        # vLLM answers {"success": false} while KV blocks are still held; after a drain they are not
+        for attempt in range(1, self.retries + 2):
+            response = self._post("/reset_prefix_cache")
+            try:
+                if response.json().get("success", True):
+                    return
+            except (ValueError, AttributeError):      # not a JSON object: nothing says it failed
+                return
+            time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        raise SyncError(self.url + "/reset_prefix_cache", response.status_code, response.text, self.retries + 1)
+
+
+def prompt_logprobs(url: str, model_name: str, token_ids: list[int], *, timeout_s: float = 60.0,
+                    retries: int = 3, backoff_s: float = 0.5) -> list[float]:
+    """vLLM's log pi(token_i | tokens_<i) for i = 1 .. n-1 of ``token_ids`` (n-1 floats).
+
+    ``/v1/completions`` with ``prompt_logprobs: 0`` answers, in ``choices[0].prompt_logprobs``,
+    ``null`` for the first token, then per position a dict keyed by the token id as a string:
+    ``{"<id>": {"logprob": float, "rank": int, "decoded_token": str}}`` (measured, vLLM 0.32).
+    These are raw log-softmax values: they do not depend on the request's temperature.
+    """
+    endpoint = url.rstrip("/") + "/v1/completions"
+    response = post(url, "/v1/completions", json={
+        "model": model_name, "prompt": list(map(int, token_ids)), "max_tokens": 1,
+        "prompt_logprobs": 0, "temperature": 0}, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+    try:
+        entries = response.json()["choices"][0]["prompt_logprobs"]
+        return [float(entries[i][str(int(t))]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise SyncError(endpoint, response.status_code,
+                        f"unexpected prompt_logprobs shape ({exc!r}): {response.text}") from None
+
+
+def verify(url: str, model_name: str, token_ids: list[int], expected_logprobs: list[float], **kwargs) -> float:
+    """max |vLLM's prompt logprob - expected| over positions 1 .. n-1 of ``token_ids``.
+
+    ``expected_logprobs`` holds the trainer's log pi(token_i | tokens_<i) for i = 1 .. n-1.
+    """
+    served = prompt_logprobs(url, model_name, token_ids, **kwargs)
+    if len(served) != len(expected_logprobs):
+        raise ValueError(f"expected {len(served)} logprobs (one per token after the first), "
+                         f"got {len(expected_logprobs)}")
+    return max((abs(a - b) for a, b in zip(served, expected_logprobs)), default=0.0)
