@@ -74,12 +74,12 @@ def load_tasks(path: str | os.PathLike) -> list[dict]:
     return tasks
 
 
-def policy_version(data_dir: str | os.PathLike) -> int | None:
-    """The served policy version that the trainer last published, if any."""
+def policy_version(data_dir: str | os.PathLike) -> int:
+    """The served policy version that the trainer last published; 0 (the initial model) before any."""
     try:
         return int(json.loads((Path(data_dir) / "policy.json").read_text())["version"])
-    except (OSError, ValueError, KeyError):
-        return None
+    except FileNotFoundError:
+        return 0
 
 
 def resource_attributes(existing: str, rollout_id: str, task_id: str, split: str) -> str:

@@ -59,7 +59,7 @@ def test_agent_environment_carries_task_version_and_capture_url(tmp_path):
 
 
 def test_policy_version_reads_policy_json(tmp_path):
-    assert runner.policy_version(tmp_path) is None
+    assert runner.policy_version(tmp_path) == 0
     (tmp_path / "policy.json").write_text(json.dumps({"version": 3}))
     assert runner.policy_version(tmp_path) == 3
 
