@@ -8,6 +8,7 @@ is also ``LIGHTSPAN_COLLECTOR_<FIELD>`` in the environment (``data_dir`` also an
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from lightspan.config import ConfigError, option
@@ -27,7 +28,8 @@ class CollectorConfig:
         "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network.")
     grpc_port: int = option(4317, "OTLP/gRPC port (the OTLP default is 4317; 0 = any free port).")
     http_port: int = option(4318, "OTLP/HTTP port, protobuf and JSON (the OTLP default is 4318; 0 = any free port).")
-    api_port: int = option(8321, "Port of /healthz, /metrics and POST /v1/flush (0 = any free port).")
+    api_port: int = option(
+        8321, "Port of the API: /healthz, /metrics, POST /v1/flush, POST /v1/rewards, /v1/sql (0 = any free port).")
     flush_interval_s: float = option(
         1.0,
         "Seconds between Parquet flushes. Each flush writes one file per date partition, so a "
@@ -46,6 +48,31 @@ class CollectorConfig:
     retry_after_s: int = option(
         1,
         "Seconds a refused client is told to wait (HTTP Retry-After, gRPC RetryInfo).")
+    auth_token: str = option(
+        "",
+        "Bearer token required on ingest (gRPC metadata and HTTP header `authorization: Bearer "
+        "<token>`) and on the API, /healthz excepted; empty = no authentication. Agents send it "
+        "with OTEL_EXPORTER_OTLP_HEADERS (authorization=Bearer <token>, the space URL-encoded). "
+        "Without TLS it crosses the network in clear text; prefer the environment variable to "
+        "--auth-token, which shows in the process list.")
+    tls_cert_file: str = option(
+        "",
+        "PEM certificate (chain) served on the gRPC, HTTP and API ports; set with tls_key_file. "
+        "Empty = plain text.")
+    tls_key_file: str = option("", "PEM private key of tls_cert_file.")
+    sql_timeout_s: float = option(
+        10.0, "Time limit of one query on the API's read-only SQL endpoint (/v1/sql); past it the query is interrupted.")
+    sql_max_rows: int = option(
+        10_000, "Most rows one /v1/sql answer returns; the answer says `truncated: true` when there were more.")
+    compact_min_files: int = option(
+        16,
+        "Compact a date partition (merge its small Parquet files into one, sorted by rollout and time) "
+        "once it holds more than this many small files; the writer checks after each flush. 0 = only "
+        "when Collector.compact() is called.")
+    retention_days: int = option(
+        0,
+        "Delete whole date partitions of spans and logs whose day ended this many days ago or more "
+        "(checked after each flush). 0 = keep everything.")
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str, fix: str) -> None:
@@ -80,3 +107,22 @@ class CollectorConfig:
         if not is_int(self.retry_after_s) or self.retry_after_s <= 0:
             fail("retry_after_s", f"{self.retry_after_s!r} is not a positive whole number of seconds",
                  "use 1 or more (HTTP Retry-After takes whole seconds)")
+        if not isinstance(self.auth_token, str) or any(c.isspace() or not c.isprintable() for c in self.auth_token):
+            fail("auth_token", "the token holds whitespace or control characters (it travels in an HTTP header)",
+                 "use a printable token without spaces, e.g. from `openssl rand -hex 32`")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            fail(missing, "TLS needs both a certificate and its key", "set tls_cert_file and tls_key_file together")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                fail(name, f"{path!r} is not a file", "give the path of a PEM file")
+        if (not isinstance(self.sql_timeout_s, (int, float)) or isinstance(self.sql_timeout_s, bool)
+                or not math.isfinite(self.sql_timeout_s) or self.sql_timeout_s <= 0):
+            fail("sql_timeout_s", f"{self.sql_timeout_s!r} is not a positive number of seconds", "use e.g. 10")
+        if not is_int(self.sql_max_rows) or self.sql_max_rows <= 0:
+            fail("sql_max_rows", f"{self.sql_max_rows!r} is not a positive number of rows", "use e.g. 10000")
+        for name in ("compact_min_files", "retention_days"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                fail(name, f"{value!r} is not a whole number >= 0", "use 0 to switch it off")

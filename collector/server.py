@@ -4,203 +4,77 @@
 
     gRPC :4317 ─┐                                           ┌─ every flush_interval_s or flush():
                 ├─ export(bytes) ─ parse ─ flatten ─ admit ─┤  {rotate WAL; drain queue} ─ Parquet
-    HTTP :4318 ─┘        {WAL write; enqueue} → fsync → ack └─ then delete the closed segments
+    HTTP :4318 ─┘        {WAL write; enqueue} → fsync → ack └─ then delete the closed segments,
+    API  :8321 ─ POST /v1/rewards ─┘                           compact, expire old partitions
 
-One ``export`` handler serves both transports; they only frame bytes and map the result's
-:class:`Outcome` to a status with :func:`status_for` (permanent vs retryable, in one place).
-An export is acknowledged only after its request bytes are fsynced in the WAL. The queue is
-bounded by ``max_queue_bytes`` (Arrow bytes not yet in Parquet); past it, exports are refused
-with a retryable status and a retry delay, never dropped or crashed on. After a crash the WAL
-replays into Parquet before the receivers serve; a span written twice (Parquet written,
-segment not yet deleted) is deduplicated by the ``spans`` view.
+One ``export`` handler serves every transport and both signals (traces and logs); the
+transports only frame bytes and map the result's :class:`Outcome` to a status with
+:func:`status_for` (permanent vs retryable, in one place). An export is acknowledged only
+after its request bytes are fsynced in the WAL; when the WAL cannot be written (disk full),
+the export is refused with a retryable status and counted as ``reason="disk"``, and the next
+export tries again. The queue is bounded by ``max_queue_bytes`` (Arrow bytes not yet in
+Parquet); past it, exports are refused with a retryable status and a retry delay, never dropped
+or crashed on. After a crash the WAL replays into Parquet before the receivers serve; a row
+written twice (Parquet written, segment not yet deleted) is deduplicated by the views.
 
-The API port answers ``GET /healthz``, ``GET /metrics`` (Prometheus text) and
-``POST /v1/flush``.
+The HTTP transports and the API live in :mod:`lightspan.collector.httpd`; compaction and
+retention in :mod:`lightspan.collector.compact`.
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
 import signal
-import socket
 import threading
 import time
-import zlib
 from concurrent import futures
-from dataclasses import dataclass
 from datetime import date, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import grpc
 import numpy as np
 import pyarrow as pa
-from google.protobuf import json_format
-from google.rpc import error_details_pb2, status_pb2
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from lightspan.collector import store
+from lightspan.collector import compact as compaction
+from lightspan.collector import httpd, store
 from lightspan.collector.config import CollectorConfig
-from lightspan.collector.otlp import DecodeError, count_spans, flatten, parse_json_request, parse_protobuf_request
+from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
+from lightspan.collector.metrics import Metrics
+from lightspan.collector.otlp import (DecodeError, count_log_records, count_spans, flatten, flatten_logs,
+                                      parse_json_logs_request, parse_json_request, parse_protobuf_request)
+from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, retry_info, status_for
 from lightspan.collector.wal import WAL
+
+__all__ = ["Collector", "CollectorError", "ExportResult", "Outcome", "Status", "status_for", "serve",
+           "EXPORT_METHOD", "LOGS_EXPORT_METHOD", "TRACES_PATH", "LOGS_PATH"]
 
 log = logging.getLogger(__name__)
 
 TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+LOGS_SERVICE = "opentelemetry.proto.collector.logs.v1.LogsService"
 EXPORT_METHOD = f"/{TRACE_SERVICE}/Export"
-TRACES_PATH = "/v1/traces"
-PROTOBUF = "application/x-protobuf"
-JSON = "application/json"
+LOGS_EXPORT_METHOD = f"/{LOGS_SERVICE}/Export"
 RETRY_INFO_KEY = "google.rpc.retryinfo-bin"   # the Python OTLP exporter reads RetryInfo only here
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+LOGS_TAG = b"\x00L"    # WAL records of logs; untagged records are trace requests (see wal.py)
 _NS_PER_DAY = 86_400 * 10**9
 _EPOCH = date(1970, 1, 1)
 _REPLAY_BATCH_BYTES = 64 << 20
 _HTTP_POLL_S = 0.1            # how fast shutdown() notices; also the idle wake-up rate
 _GRPC_GRACE_S = 5.0
-_DRAIN_LIMIT = 8 << 20        # bytes of a refused body read and thrown away before hanging up
-
-
-# --- outcomes and their statuses: classified once --------------------------------------------
-
-class Outcome(enum.Enum):
-    """What happened to one export. The value is the ``reason`` label of refused requests."""
-    OK = "ok"
-    INVALID = "invalid"             # not OTLP: the client's data is wrong, retrying cannot help
-    TOO_LARGE = "too_large"         # body over the cap (before or after decompression)
-    UNSUPPORTED = "unsupported"     # content type or content encoding we do not speak
-    QUEUE_FULL = "queue_full"       # backpressure: Parquet is behind; come back later
-    UNAVAILABLE = "unavailable"     # stopping, or the WAL could not be written
-
-
-@dataclass(frozen=True)
-class Status:
-    retryable: bool
-    grpc_code: grpc.StatusCode
-    http_status: int
-
-
-_STATUS = {
-    Outcome.OK: Status(False, grpc.StatusCode.OK, 200),
-    Outcome.INVALID: Status(False, grpc.StatusCode.INVALID_ARGUMENT, 400),
-    Outcome.TOO_LARGE: Status(False, grpc.StatusCode.INVALID_ARGUMENT, 413),
-    Outcome.UNSUPPORTED: Status(False, grpc.StatusCode.UNIMPLEMENTED, 415),
-    Outcome.QUEUE_FULL: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
-    Outcome.UNAVAILABLE: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
+COMPACT_GRACE_S = 30.0        # compacted-away files stay this long, for queries that listed them
+# per signal: the request parsers, the row builder, the counter prefix, the partition time column
+_SIGNALS = {
+    "traces": dict(protobuf=parse_protobuf_request, json=parse_json_request, count=count_spans,
+                   flatten=flatten, metric="spans", time="start_time_unix_nano", table="spans",
+                   sort=[("rollout_id", "ascending"), ("start_time_unix_nano", "ascending")]),
+    "logs": dict(protobuf=lambda body: parse_protobuf_request(body, ExportLogsServiceRequest),
+                 json=parse_json_logs_request, count=count_log_records, flatten=flatten_logs,
+                 metric="log_records", time="time_unix_nano", table="logs",
+                 sort=[("rollout_id", "ascending"), ("time_unix_nano", "ascending")]),
 }
 
-
-def status_for(outcome: Outcome) -> Status:
-    """Permanent outcomes map to codes the OTLP exporters drop at once (400/413/415,
-    INVALID_ARGUMENT/UNIMPLEMENTED); retryable ones to codes they retry after the delay we
-    send (503 + Retry-After, UNAVAILABLE + RetryInfo). Never a 500 for a client's data."""
-    return _STATUS[outcome]
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    outcome: Outcome
-    message: str = ""
-    accepted_spans: int = 0
-    rejected_spans: int = 0
-
-    @property
-    def status(self) -> Status:
-        return status_for(self.outcome)
-
-    def response(self) -> ExportTraceServiceResponse:
-        response = ExportTraceServiceResponse()
-        if self.rejected_spans:
-            response.partial_success.rejected_spans = self.rejected_spans
-            response.partial_success.error_message = self.message
-        return response
-
-    def rpc_status(self, retry_after_s: int) -> status_pb2.Status:
-        """The ``google.rpc.Status`` of a refusal, with RetryInfo when the client should retry."""
-        status = status_pb2.Status(code=self.status.grpc_code.value[0], message=self.message)
-        if self.status.retryable:
-            status.details.add().Pack(_retry_info(retry_after_s))
-        return status
-
-
-def _retry_info(seconds: int) -> error_details_pb2.RetryInfo:
-    info = error_details_pb2.RetryInfo()
-    info.retry_delay.seconds = seconds
-    return info
-
-
-class CollectorError(RuntimeError):
-    """The collector cannot start (a port is taken, the data directory is not writable)."""
-
-
-# --- self-measurement ------------------------------------------------------------------------
-
-_PREFIX = "lightspan_collector_"
-_COUNTERS = {
-    "spans_received_total": "Spans in parsed export requests (a refused request retried counts again).",
-    "spans_accepted_total": "Spans acknowledged: durable in the WAL, on their way to Parquet.",
-    "spans_rejected_total": "Malformed spans dropped from otherwise valid requests (partial_success).",
-    "spans_written_total": "Spans written to Parquet, WAL replay included.",
-    "spans_replayed_total": "Spans recovered from the WAL at start-up.",
-    "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
-}
-
-
-class Metrics:
-    """Counters and summaries of one collector, rendered in the Prometheus text format."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._refused = {o.value: 0 for o in Outcome if o is not Outcome.OK}
-        self._flush_sum = 0.0
-        self._flush_count = 0
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
-    def refused(self, outcome: Outcome) -> None:
-        with self._lock:
-            self._refused[outcome.value] += 1
-
-    def observe_flush(self, seconds: float) -> None:
-        with self._lock:
-            self._flush_sum += seconds
-            self._flush_count += 1
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {**self._counters, "requests_refused_total": dict(self._refused),
-                    "flush_seconds_sum": self._flush_sum, "flush_seconds_count": self._flush_count}
-
-    def render(self, *, queue_bytes: int, wal_bytes: int, fsync_sum: float, fsync_count: int) -> str:
-        snap = self.snapshot()
-        lines = []
-
-        def metric(name, kind, help_, samples):
-            lines.append(f"# HELP {_PREFIX}{name} {help_}")
-            lines.append(f"# TYPE {_PREFIX}{name} {kind}")
-            lines.extend(f"{_PREFIX}{sample} {value}" for sample, value in samples)
-
-        for name, help_ in _COUNTERS.items():
-            metric(name, "counter", help_, [(name, snap[name])])
-        metric("requests_refused_total", "counter", "Export requests answered with an error, by reason.",
-               [(f'requests_refused_total{{reason="{r}"}}', n) for r, n in snap["requests_refused_total"].items()])
-        metric("queue_bytes", "gauge", "Arrow bytes accepted but not yet in Parquet (bounded by max_queue_bytes).",
-               [("queue_bytes", queue_bytes)])
-        metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", wal_bytes)])
-        metric("flush_seconds", "summary", "Time to write queued spans to Parquet, per flush with data.",
-               [("flush_seconds_sum", snap["flush_seconds_sum"]), ("flush_seconds_count", snap["flush_seconds_count"])])
-        metric("fsync_seconds", "summary", "Time in WAL fsync (one fsync may cover several exports).",
-               [("fsync_seconds_sum", fsync_sum), ("fsync_seconds_count", fsync_count)])
-        return "\n".join(lines) + "\n"
-
-
-# --- the collector ---------------------------------------------------------------------------
 
 class Collector:
     """Receivers → WAL → bounded queue → Parquet writer. ``start()``, ``flush()``, ``stop()``."""
@@ -211,20 +85,22 @@ class Collector:
         self.metrics = Metrics()
         self._state_lock = threading.Lock()
         self._state = "new"           # new → running → stopped (→ running again)
+        self._compact_lock = threading.Lock()
+        self._retired: list[tuple[float, list[Path]]] = []   # (remove after, files) merged by compaction
         self._reset()
 
     def _reset(self) -> None:
         self._lock = threading.Lock()          # the handoff: {WAL write; enqueue} vs {rotate; drain}
         self._flush_lock = threading.Lock()    # one flush at a time
-        self._queue: list[tuple[pa.Table, int]] = []
+        self._queue: list[tuple[str, pa.Table, int]] = []   # (signal, rows, Arrow bytes)
         self._queue_bytes = 0                  # queued + drained but not yet in Parquet
-        self._pending: tuple[list[tuple[pa.Table, int]], list[int]] | None = None  # a failed flush
+        self._pending: tuple[list, list[int]] | None = None  # what a failed flush left behind
         self._accepting = False
         self._wal: WAL | None = None
         self._grpc: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
-        self._http: _HTTPServer | None = None
-        self._api: _HTTPServer | None = None
+        self._http: httpd.HTTPServer | None = None
+        self._api: httpd.HTTPServer | None = None
         self._grpc_port = self._http_port = self._api_port = None
         self._stop_event = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -245,6 +121,10 @@ class Collector:
     @property
     def queue_bytes(self) -> int:
         return self._queue_bytes
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
 
     # --- lifecycle ---
     def start(self) -> "Collector":
@@ -271,6 +151,9 @@ class Collector:
             for thread in self._threads:
                 thread.start()
             self._state = "running"
+        if self.config.auth_token and not self.config.tls_cert_file and self.config.host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("auth_token is set without TLS on %s: the token crosses the network in clear text",
+                        self.config.host)
         return self
 
     def stop(self) -> None:
@@ -291,8 +174,12 @@ class Collector:
             try:
                 self.flush()
             except Exception:
-                log.exception("final flush failed; the spans stay in the WAL and replay at the next start")
+                log.exception("final flush failed; the data stays in the WAL and replays at the next start")
             self._wal.close()
+            try:
+                self._sweep(force=True)
+            except OSError:
+                log.exception("could not remove compacted files; the next compaction merges them again")
             self._api.shutdown()
             self._api.server_close()
             self._state = "stopped"
@@ -306,25 +193,32 @@ class Collector:
 
     def _bind(self) -> None:
         host, cfg = self.config.host, self.config
+        tls = httpd.tls_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file else None
         try:
             self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lightspan-collector-grpc")
             self._grpc = grpc.server(
                 self._executor,
-                handlers=[grpc.method_handlers_generic_handler(TRACE_SERVICE, {
+                handlers=[grpc.method_handlers_generic_handler(service, {
                     # raw bytes in and out: the WAL stores exactly what the client sent
-                    "Export": grpc.unary_unary_rpc_method_handler(self._grpc_export),
-                })],
+                    "Export": grpc.unary_unary_rpc_method_handler(self._grpc_handler(signal_)),
+                }) for service, signal_ in ((TRACE_SERVICE, "traces"), (LOGS_SERVICE, "logs"))],
                 options=[("grpc.max_receive_message_length", cfg.grpc_max_receive_bytes),
                          ("grpc.so_reuseport", 0)],   # a second collector on the port must fail, not share it
                 maximum_concurrent_rpcs=64,          # beyond it gRPC answers RESOURCE_EXHAUSTED (retryable)
             )
+            address = f"{httpd.bracket(host)}:{cfg.grpc_port}"
             try:
-                self._grpc_port = self._grpc.add_insecure_port(f"{_bracket(host)}:{cfg.grpc_port}")
+                if tls is None:
+                    self._grpc_port = self._grpc.add_insecure_port(address)
+                else:
+                    with open(cfg.tls_key_file, "rb") as key, open(cfg.tls_cert_file, "rb") as cert:
+                        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                    self._grpc_port = self._grpc.add_secure_port(address, credentials)
             except RuntimeError:
-                raise CollectorError(_bind_error("OTLP/gRPC", host, cfg.grpc_port, "grpc_port")) from None
-            self._http = _listen(host, cfg.http_port, _OTLPHandler, self, "OTLP/HTTP", "http_port")
+                raise CollectorError(httpd.bind_error("OTLP/gRPC", host, cfg.grpc_port, "grpc_port")) from None
+            self._http = httpd.listen(host, cfg.http_port, httpd.OTLPHandler, self, "OTLP/HTTP", "http_port", tls)
             self._http_port = self._http.server_address[1]
-            self._api = _listen(host, cfg.api_port, _APIHandler, self, "API", "api_port")
+            self._api = httpd.listen(host, cfg.api_port, httpd.APIHandler, self, "API", "api_port", tls)
             self._api_port = self._api.server_address[1]
         except BaseException:
             self._unbind()
@@ -339,59 +233,68 @@ class Collector:
                 server.server_close()
 
     # --- the one export handler ---
-    def export(self, payload: bytes, encoding: str = "protobuf") -> ExportResult:
-        """Parse, validate, admit, make durable, enqueue. ``encoding``: "protobuf" or "json"."""
+    def export(self, payload: bytes, encoding: str = "protobuf", signal: str = "traces") -> ExportResult:
+        """Parse, validate, admit, make durable, enqueue. ``encoding``: "protobuf" or "json";
+        ``signal``: "traces" or "logs"."""
+        kind = _SIGNALS[signal]
         try:
-            if encoding == "json":
-                request = parse_json_request(payload)
-                payload = request.SerializeToString()  # the WAL holds protobuf only
-            else:
-                request = parse_protobuf_request(payload)
+            request = kind[encoding](payload)
         except DecodeError as exc:
-            return self.refuse(Outcome.INVALID, str(exc))
-        total = count_spans(request)
-        self.metrics.add("spans_received_total", total)
-        table, rejected, first_error = flatten(request, time.time_ns())
-        message = f"{rejected} of {total} spans rejected; first: {first_error}" if rejected else ""
+            return self.refuse(Outcome.INVALID, str(exc), signal)
+        if encoding == "json":
+            payload = request.SerializeToString()      # the WAL holds protobuf only
+        if signal == "logs":
+            payload = LOGS_TAG + payload
+        total = kind["count"](request)
+        noun = kind["metric"]
+        self.metrics.add(f"{noun}_received_total", total)
+        table, rejected, first_error = kind["flatten"](request, time.time_ns())
+        message = f"{rejected} of {total} {noun.replace('_', ' ')} rejected; first: {first_error}" if rejected else ""
         if table.num_rows:
             size = table.nbytes
             with self._lock:
                 if not self._accepting:
-                    return self.refuse(Outcome.UNAVAILABLE, "the collector is stopping")
+                    return self.refuse(Outcome.UNAVAILABLE, "the collector is stopping", signal)
                 if self._queue_bytes and self._queue_bytes + size > self.config.max_queue_bytes:
                     return self.refuse(Outcome.QUEUE_FULL,
                                        f"queue full: {self._queue_bytes} bytes waiting for Parquet "
-                                       f"(max_queue_bytes={self.config.max_queue_bytes})")
+                                       f"(max_queue_bytes={self.config.max_queue_bytes})", signal)
                 try:
                     position = self._wal.write(payload)
-                except OSError as exc:
+                except OSError as exc:   # disk full or I/O error: nothing was acknowledged; retry later
                     log.error("WAL write failed: %s", exc)
-                    return self.refuse(Outcome.UNAVAILABLE, f"WAL write failed: {exc.strerror or exc}")
-                self._queue.append((table, size))
+                    return self.refuse(Outcome.DISK, f"WAL write failed: {exc.strerror or exc}", signal)
+                self._queue.append((signal, table, size))
                 self._queue_bytes += size
             try:
                 self._wal.sync(position)   # outside the lock: concurrent exports share an fsync
             except OSError as exc:
+                # not acknowledged; the rows stay queued (a retry is deduplicated by the views)
                 log.error("WAL fsync failed: %s", exc)
-                return self.refuse(Outcome.UNAVAILABLE, f"WAL fsync failed: {exc.strerror or exc}")
-            self.metrics.add("spans_accepted_total", table.num_rows)
+                return self.refuse(Outcome.DISK, f"WAL fsync failed: {exc.strerror or exc}", signal)
+            self.metrics.add(f"{noun}_accepted_total", table.num_rows)
         if rejected:
-            self.metrics.add("spans_rejected_total", rejected)
+            self.metrics.add(f"{noun}_rejected_total", rejected)
             log.debug("export: %s", message)
-        return ExportResult(Outcome.OK, message, table.num_rows, rejected)
+        return ExportResult(Outcome.OK, message, table.num_rows, rejected, signal)
 
-    def refuse(self, outcome: Outcome, message: str) -> ExportResult:
+    def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:
         """Count a refused request and describe it (transports use this for their own checks)."""
         self.metrics.refused(outcome)
-        log.debug("export refused (%s): %s", outcome.value, message)
-        return ExportResult(outcome, message)
+        log.debug("request refused (%s): %s", outcome.value, message)
+        return ExportResult(outcome, message, signal=signal)
 
     # --- Parquet ---
     def flush(self) -> int:
         """Write everything accepted so far to Parquet; returns the number of spans written."""
+        return self.flush_counts()["spans"]
+
+    def flush_counts(self) -> dict[str, int]:
+        """Like :meth:`flush`; returns ``{"spans": n, "logs": m}`` rows written."""
         with self._flush_lock:
+            written = {"spans": 0, "logs": 0}
             if self._wal is None:
-                return 0
+                return written
             start = time.perf_counter()
             with self._lock:
                 closed = self._wal.rotate()
@@ -400,11 +303,12 @@ class Collector:
                 items, closed = self._pending[0] + items, self._pending[1] + closed
                 self._pending = None
             if not items and not closed:
-                return 0
+                return written
             try:
-                written = self._write([table for table, _ in items])
+                for signal_, kind in _SIGNALS.items():
+                    written[kind["table"]] = self._write(signal_, [t for s, t, _ in items if s == signal_])
             except Exception:
-                self._pending = (items, closed)
+                self._pending = (items, closed)   # all of it again: a duplicate file is deduplicated
                 self.metrics.add("flush_errors_total")
                 raise
             try:
@@ -412,24 +316,26 @@ class Collector:
             except OSError:
                 log.exception("could not delete WAL segments %s; they will replay (duplicates are harmless)", closed)
             with self._lock:
-                self._queue_bytes -= sum(size for _, size in items)
-            self.metrics.add("spans_written_total", written)
+                self._queue_bytes -= sum(size for _, _, size in items)
+            self.metrics.add("spans_written_total", written["spans"])
+            self.metrics.add("log_records_written_total", written["logs"])
             self.metrics.observe_flush(time.perf_counter() - start)
             return written
 
-    def _write(self, tables: list[pa.Table]) -> int:
-        """One Parquet file per UTC start date, sorted by rollout and start time."""
+    def _write(self, signal: str, tables: list[pa.Table]) -> int:
+        """One Parquet file per UTC date, sorted by rollout and time."""
         tables = [t for t in tables if t.num_rows]
         if not tables:
             return 0
+        kind = _SIGNALS[signal]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        days = table.column("start_time_unix_nano").to_numpy() // _NS_PER_DAY
+        days = table.column(kind["time"]).to_numpy() // _NS_PER_DAY
         unique_days = np.unique(days)
         for day in unique_days:
             part = table if len(unique_days) == 1 else table.filter(pa.array(days == day))
-            part = part.sort_by([("rollout_id", "ascending"), ("start_time_unix_nano", "ascending")])
+            part = part.sort_by(kind["sort"])
             partition = f"date={(_EPOCH + timedelta(days=int(day))).isoformat()}"
-            store.write_table(self.data_dir, "spans", part, partition=partition)
+            store.write_table(self.data_dir, kind["table"], part, partition=partition)
         return table.num_rows
 
     def _replay(self) -> None:
@@ -437,24 +343,32 @@ class Collector:
         segments = self._wal.closed_segment_ids()
         if not segments:
             return
-        tables, batch_bytes, spans = [], 0, 0
+        tables = {signal_: [] for signal_ in _SIGNALS}
+        batch_bytes, counts = 0, dict.fromkeys(_SIGNALS, 0)
         for payload in self._wal.replay(segments):
+            signal_ = "logs" if payload.startswith(LOGS_TAG) else "traces"
+            kind = _SIGNALS[signal_]
             try:
-                request = parse_protobuf_request(payload)
+                request = kind["protobuf"](payload[len(LOGS_TAG):] if signal_ == "logs" else payload)
             except DecodeError as exc:   # a CRC-valid record that is not a request: keep going
                 log.warning("WAL replay: skipping an undecodable record: %s", exc)
                 continue
-            table, _, _ = flatten(request, time.time_ns())
-            tables.append(table)
+            table, _, _ = kind["flatten"](request, time.time_ns())
+            tables[signal_].append(table)
             batch_bytes += table.nbytes
             if batch_bytes >= _REPLAY_BATCH_BYTES:
-                spans += self._write(tables)
-                tables, batch_bytes = [], 0
-        spans += self._write(tables)
+                for name in _SIGNALS:
+                    counts[name] += self._write(name, tables[name])
+                    tables[name] = []
+                batch_bytes = 0
+        for name in _SIGNALS:
+            counts[name] += self._write(name, tables[name])
         self._wal.delete(segments)
-        self.metrics.add("spans_replayed_total", spans)
-        self.metrics.add("spans_written_total", spans)
-        log.info("replayed %d spans from %d WAL segments into Parquet", spans, len(segments))
+        self.metrics.add("spans_replayed_total", counts["traces"])
+        self.metrics.add("spans_written_total", counts["traces"])
+        self.metrics.add("log_records_written_total", counts["logs"])
+        log.info("replayed %d spans and %d log records from %d WAL segments into Parquet",
+                 counts["traces"], counts["logs"], len(segments))
 
     def _writer_loop(self) -> None:
         interval = min(self.config.flush_interval_s, threading.TIMEOUT_MAX)
@@ -463,214 +377,86 @@ class Collector:
                 self.flush()
             except Exception:
                 log.exception("flush to Parquet failed; retrying at the next interval")
+                continue
+            try:
+                if self.config.compact_min_files:
+                    self.compact(min_files=self.config.compact_min_files + 1)
+                self._sweep()
+                self.expire()
+            except Exception:
+                self.metrics.add("maintenance_errors_total")
+                log.exception("compaction or retention failed; retrying at the next interval")
 
-    # --- transports ---
-    def _grpc_export(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        result = self.export(request, "protobuf")
-        status = result.status
-        if status.grpc_code is grpc.StatusCode.OK:
-            return result.response().SerializeToString()
-        trailers = [(STATUS_DETAILS_KEY, result.rpc_status(self.config.retry_after_s).SerializeToString())]
-        if status.retryable:
-            trailers.append((RETRY_INFO_KEY, _retry_info(self.config.retry_after_s).SerializeToString()))
-        context.set_trailing_metadata(trailers)
-        context.abort(status.grpc_code, result.message)
+    # --- compaction and retention ---
+    def compact(self, min_files: int = 2, grace_s: float = COMPACT_GRACE_S) -> int:
+        """Merge the small Parquet files of every date partition (spans and logs) that has at
+        least ``min_files`` of them into one file; returns the number of files merged away.
+
+        The merged-away files are removed ``grace_s`` seconds later (by the writer, or at stop),
+        so queries that listed them before the merge still read them; 0 removes them at once."""
+        merged = 0
+        with self._compact_lock:
+            retired = {path for _, files in self._retired for path in files}
+            for table in store.PARTITIONED:
+                for partition in compaction.partitions(self.data_dir, table):
+                    files = [f for f in compaction.small_files(partition) if f not in retired]
+                    if len(files) < max(min_files, 2):
+                        continue
+                    compaction.compact_partition(table, partition, files, remove=grace_s <= 0)
+                    if grace_s > 0:
+                        self._retired.append((time.monotonic() + grace_s, files))
+                    merged += len(files)
+                    self.metrics.add("compactions_total")
+                    self.metrics.add("files_compacted_total", len(files))
+                    log.info("compacted %d files of %s/%s", len(files), table, partition.name)
+        self._sweep()
+        return merged
+
+    def _sweep(self, force: bool = False) -> None:
+        """Remove compacted-away files whose grace period is over (all of them with ``force``)."""
+        with self._compact_lock:
+            now = time.monotonic()
+            due = [files for deadline, files in self._retired if force or deadline <= now]
+            self._retired = [(d, files) for d, files in self._retired if not (force or d <= now)]
+        for files in due:
+            compaction.remove_files(files)
+
+    def expire(self) -> list[str]:
+        """Delete date partitions older than ``retention_days`` (0 keeps all); returns their paths."""
+        removed = []
+        with self._compact_lock:
+            for table in store.PARTITIONED:
+                names = compaction.expire_partitions(self.data_dir, table, self.config.retention_days)
+                removed += [f"{table}/{name}" for name in names]
+        if removed:
+            self.metrics.add("partitions_expired_total", len(removed))
+            log.info("retention (%d days) removed %s", self.config.retention_days, ", ".join(removed))
+        return removed
+
+    # --- gRPC transport ---
+    def _grpc_handler(self, signal: str):
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            metadata = dict(context.invocation_metadata())
+            if not httpd.authorized(metadata.get("authorization"), self.config.auth_token):
+                result = self.refuse(Outcome.UNAUTHENTICATED, "missing or wrong bearer token: send metadata "
+                                     "'authorization: Bearer <collector.auth_token>'", signal)
+            else:
+                result = self.export(request, "protobuf", signal)
+            status = result.status
+            if status.grpc_code is grpc.StatusCode.OK:
+                return result.response().SerializeToString()
+            trailers = [(STATUS_DETAILS_KEY, result.rpc_status(self.config.retry_after_s).SerializeToString())]
+            if status.retryable:
+                trailers.append((RETRY_INFO_KEY, retry_info(self.config.retry_after_s).SerializeToString()))
+            context.set_trailing_metadata(trailers)
+            context.abort(status.grpc_code, result.message)
+        return handle
 
     def render_metrics(self) -> str:
         wal = self._wal
         return self.metrics.render(queue_bytes=self._queue_bytes, wal_bytes=wal.size_bytes if wal else 0,
                                    fsync_sum=wal.fsync_seconds if wal else 0.0,
                                    fsync_count=wal.fsync_count if wal else 0)
-
-    @property
-    def running(self) -> bool:
-        return self._state == "running"
-
-
-# --- HTTP ------------------------------------------------------------------------------------
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, handler, collector: Collector):
-        self.collector = collector
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-    def handle_error(self, request, client_address) -> None:  # the stdlib prints to stderr
-        log.exception("unexpected error serving %s", client_address)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _bind_error(what: str, host: str, port: int, field: str) -> str:
-    return (f"cannot listen for {what} on {host}:{port}: the address is in use or not available "
-            f"(another collector running?); set collector.{field} (LIGHTSPAN_COLLECTOR_{field.upper()}) "
-            f"to a free port, or 0 for any")
-
-
-def _listen(host: str, port: int, handler, collector: Collector, what: str, field: str) -> _HTTPServer:
-    try:
-        return _HTTPServer((host.strip("[]"), port), handler, collector)
-    except OSError as exc:
-        raise CollectorError(f"{_bind_error(what, host, port, field)} ({exc.strerror or exc})") from None
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive: the exporters reuse their connection
-    server_version = "lightspan-collector"
-    timeout = 60                    # an idle keep-alive connection is closed after this
-
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def send(self, code: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def send_text(self, code: int, text: str, headers: dict | None = None) -> None:
-        self.send(code, text.encode(), "text/plain; charset=utf-8", headers)
-
-    def not_allowed(self, allow: str) -> None:
-        self.discard_body()
-        self.send_text(405, f"method {self.command} not allowed on {self.path}; use {allow}\n", {"Allow": allow})
-
-    def discard_body(self) -> None:
-        """Read and drop a body we will not use, so the client reads our answer, not a reset."""
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if length < 0 or length > _DRAIN_LIMIT:
-            self.close_connection = True
-            return
-        while length > 0:
-            chunk = self.rfile.read(min(length, 1 << 16))
-            if not chunk:
-                break
-            length -= len(chunk)
-
-
-class _OTLPHandler(_Handler):
-    """``POST /v1/traces``: OTLP/HTTP, protobuf or JSON, optionally gzip/deflate."""
-
-    def do_POST(self) -> None:
-        if urlsplit(self.path).path != TRACES_PATH:
-            self.discard_body()
-            return self.send_text(404, f"not found: POST OTLP traces to {TRACES_PATH}\n")
-        collector: Collector = self.server.collector
-        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        encoding = {PROTOBUF: "protobuf", JSON: "json"}.get(content_type)
-        if encoding is None:
-            self.discard_body()
-            return self.answer(collector.refuse(
-                Outcome.UNSUPPORTED, f"content type {content_type!r}: send {PROTOBUF} or {JSON}"), "json")
-        body = self.read_body(collector)
-        if isinstance(body, ExportResult):
-            return self.answer(body, encoding)
-        self.answer(collector.export(body, encoding), encoding)
-
-    def read_body(self, collector: Collector) -> bytes | ExportResult:
-        cap = collector.config.max_http_body_bytes
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            self.close_connection = True
-            return collector.refuse(Outcome.UNSUPPORTED, "chunked bodies are not supported: send Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length") or "")
-            if length < 0:
-                raise ValueError(length)
-        except ValueError:
-            self.close_connection = True
-            return collector.refuse(Outcome.INVALID, "a valid Content-Length header is required")
-        if length > cap:
-            self.discard_body()
-            return collector.refuse(Outcome.TOO_LARGE, f"body of {length} bytes exceeds max_http_body_bytes={cap}")
-        body = self.rfile.read(length)
-        if len(body) < length:
-            self.close_connection = True
-            return collector.refuse(Outcome.INVALID, f"body ended after {len(body)} of {length} bytes")
-        content_encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        if content_encoding == "identity":
-            return body
-        wbits = {"gzip": 31, "deflate": 15}.get(content_encoding)   # 31: gzip header; 15: zlib
-        if wbits is None:
-            return collector.refuse(Outcome.UNSUPPORTED, f"content encoding {content_encoding!r}: use gzip, deflate or none")
-        return _decompress(body, wbits, cap, collector)
-
-    def answer(self, result: ExportResult, encoding: str) -> None:
-        status = result.status
-        headers = {"Retry-After": str(self.server.collector.config.retry_after_s)} if status.retryable else None
-        if status.http_status == 200:
-            message = result.response()
-        else:
-            message = result.rpc_status(self.server.collector.config.retry_after_s)
-        if encoding == "json":
-            body, content_type = json_format.MessageToJson(message, indent=None).encode(), JSON
-        else:
-            body, content_type = message.SerializeToString(), PROTOBUF
-        self.send(status.http_status, body, content_type, headers)
-
-    def do_GET(self) -> None:
-        if urlsplit(self.path).path == TRACES_PATH:
-            return self.not_allowed("POST")
-        self.discard_body()
-        self.send_text(404, f"not found: POST OTLP traces to {TRACES_PATH}\n")
-
-    do_PUT = do_DELETE = do_PATCH = do_GET
-
-
-def _decompress(body: bytes, wbits: int, cap: int, collector: Collector) -> bytes | ExportResult:
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        data = decompressor.decompress(body, cap + 1)   # never inflate more than the cap (zip bombs)
-    except zlib.error as exc:
-        return collector.refuse(Outcome.INVALID, f"body does not decompress: {exc}")
-    if len(data) > cap:
-        return collector.refuse(Outcome.TOO_LARGE, f"decompressed body exceeds max_http_body_bytes={cap}")
-    if not decompressor.eof:
-        return collector.refuse(Outcome.INVALID, "compressed body is truncated")
-    return data
-
-
-class _APIHandler(_Handler):
-    """``GET /healthz``, ``GET /metrics``, ``POST /v1/flush``."""
-
-    def do_GET(self) -> None:
-        collector: Collector = self.server.collector
-        path = urlsplit(self.path).path
-        if path == "/healthz":
-            ok = collector.running
-            return self.send(200 if ok else 503, json.dumps({"status": "ok" if ok else "stopping"}).encode(), JSON)
-        if path == "/metrics":
-            return self.send(200, collector.render_metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
-        if path == "/v1/flush":
-            return self.not_allowed("POST")
-        self.send_text(404, "not found: GET /healthz, GET /metrics, POST /v1/flush\n")
-
-    def do_POST(self) -> None:
-        self.discard_body()
-        path = urlsplit(self.path).path
-        if path in ("/healthz", "/metrics"):
-            return self.send_text(405, f"use GET on {path}\n", {"Allow": "GET"})
-        if path != "/v1/flush":
-            return self.send_text(404, "not found: GET /healthz, GET /metrics, POST /v1/flush\n")
-        try:
-            flushed = self.server.collector.flush()
-        except Exception as exc:  # our own failure (disk), not the client's data
-            log.exception("flush requested over the API failed")
-            return self.send(500, json.dumps({"error": str(exc)}).encode(), JSON)
-        self.send(200, json.dumps({"flushed_spans": flushed}).encode(), JSON)
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -694,10 +480,12 @@ def serve(config: CollectorConfig) -> int:
         except CollectorError as exc:
             log.error("%s", exc)
             return 1
-        host = _bracket(config.host)
-        log.info("lightspan collector: OTLP/gRPC %s:%d, OTLP/HTTP http://%s:%d%s, API http://%s:%d, data in %s",
-                 host, collector.grpc_port, host, collector.http_port, TRACES_PATH, host, collector.api_port,
-                 collector.data_dir)
+        host = httpd.bracket(config.host)
+        scheme = "https" if config.tls_cert_file else "http"
+        log.info("lightspan collector: OTLP/gRPC %s:%d%s, OTLP/HTTP %s://%s:%d%s and %s, API %s://%s:%d, "
+                 "data in %s%s", host, collector.grpc_port, " (TLS)" if config.tls_cert_file else "",
+                 scheme, host, collector.http_port, TRACES_PATH, LOGS_PATH, scheme, host, collector.api_port,
+                 collector.data_dir, ", bearer token required" if config.auth_token else "")
         while not done.wait(3600):
             pass
         return 0

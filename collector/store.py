@@ -8,6 +8,7 @@ pyarrow: never the receivers, gRPC or a web server.
 Layout of a data directory::
 
     spans/date=YYYY-MM-DD/part-*.parquet      one row per span, hive-partitioned by date
+    logs/date=YYYY-MM-DD/part-*.parquet       one row per OTLP log record (GenAI events), by date
     transitions/part-*.parquet                 written by ``lightspan transitions build``
     train_steps/part-*.parquet                 written by ``lightspan train``
     wal/                                       the collector's write-ahead log
@@ -120,7 +121,36 @@ TRAIN_STEP_SCHEMA = pa.schema([
     ("sync_max_abs_logprob_diff", pa.float64()),
 ])
 
-_TABLES = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps": TRAIN_STEP_SCHEMA}
+LOG_SCHEMA = pa.schema([
+    ("time_unix_nano", pa.int64()),          # the record's time, else its observed time, else receipt
+    ("observed_time_unix_nano", pa.int64()),
+    ("severity_number", pa.int32()),         # 0 unspecified, 1-4 TRACE ... 21-24 FATAL
+    ("severity_text", pa.string()),
+    ("body", pa.string()),                   # the body AnyValue as JSON text ("\"text\"", {...}, ...)
+    ("event_name", pa.string()),             # LogRecord.event_name, else the event.name attribute
+    ("trace_id", pa.string()),               # 32 lowercase hex, null when the record has none
+    ("span_id", pa.string()),
+    ("service_name", pa.string()),
+    ("scope_name", pa.string()),
+    # rollout grouping: record attribute first, else resource attribute (as for spans)
+    ("rollout_id", pa.string()),
+    ("task_id", pa.string()),
+    ("split", pa.string()),
+    ("attributes", pa.map_(pa.string(), pa.string())),           # JSON-encoded values
+    ("resource_attributes", pa.map_(pa.string(), pa.string())),  # JSON-encoded values
+    ("record_id", pa.string()),              # hash of resource + scope + record: the dedup key
+    ("received_unix_nano", pa.int64()),
+])
+"""One row per OTLP log record. Logs have no ids, so a content hash deduplicates re-sent ones."""
+
+_TABLES = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps": TRAIN_STEP_SCHEMA,
+           "logs": LOG_SCHEMA}
+TABLES = tuple(_TABLES)
+"""The base tables: one directory each under the data directory."""
+
+# tables written by the collector: hive-partitioned by date, deduplicated (at-least-once delivery)
+# on these keys, keeping the first copy received
+PARTITIONED = {"spans": ("trace_id", "span_id"), "logs": ("record_id",)}
 
 # Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
 # a root span every chat call is its own trace (DESIGN.md §3.1).
@@ -160,9 +190,10 @@ def _glob(root: Path, table: str) -> str | None:
 
 def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
-    ``transitions`` and ``train_steps`` over the Parquet files of data directory ``path``.
+    ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``.
 
-    ``spans`` is deduplicated on (trace_id, span_id): OTLP delivery is at-least-once.
+    ``spans`` is deduplicated on (trace_id, span_id) and ``logs`` on record_id: OTLP delivery is
+    at-least-once.
     A table with no files yet is an empty view with the right columns.
     """
     root = data_dir(path)
@@ -173,16 +204,21 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
             con.register(f"_{table}_empty", schema.empty_table())
             source = f"SELECT * FROM _{table}_empty"
         else:
-            hive = "true" if table == "spans" else "false"
+            hive = "true" if table in PARTITIONED else "false"
             source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning={hive}, union_by_name=true)"
-            if table == "spans":
+            if table in PARTITIONED:
                 source = f"SELECT * EXCLUDE (date) FROM ({source})"
-        if table == "spans":
-            source += " QUALIFY row_number() OVER (PARTITION BY trace_id, span_id ORDER BY received_unix_nano) = 1"
+        if table in PARTITIONED:
+            source += f" QUALIFY {dedup_clause(table)}"
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
     for name, sql in _VIEWS.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
     return con
+
+
+def dedup_clause(table: str) -> str:
+    """The QUALIFY condition that keeps one row per dedup key of a partitioned table."""
+    return f"row_number() OVER (PARTITION BY {', '.join(PARTITIONED[table])} ORDER BY received_unix_nano) = 1"
 
 
 def write_table(path: str | os.PathLike | None, table_name: str, table: pa.Table, *, partition: str | None = None) -> Path:

@@ -16,10 +16,30 @@ Group commit: :meth:`WAL.write` appends without syncing and returns the record's
 :meth:`WAL.sync` makes everything up to that position durable. Concurrent writers share one
 fsync: whoever holds the sync lock syncs all bytes written so far, and the others find their
 position already covered. :meth:`WAL.append` does both.
+
+Payloads are opaque here. The collector stores a serialized ``ExportTraceServiceRequest`` as
+is and tags other signals with a prefix that starts with a zero byte (``b"\\x00L"`` + an
+``ExportLogsServiceRequest``): no protobuf message starts with 0x00 (field number 0 is
+invalid), so trace records written before logs existed still replay as traces.
+
+I/O errors (a full disk: ``ENOSPC``, or ``EIO``) never leave a record that could be acknowledged
+but lost:
+
+- a failed ``write`` is cut back with ``ftruncate`` to the segment's last whole record and
+  raised; if even that fails, the segment is *torn*: the next write closes it (fsynced) and
+  opens a new one, so nothing is ever appended after a torn record;
+- a failed ``fsync`` raises, and so does every later :meth:`WAL.sync` of a position not yet
+  durable in that segment (Linux may drop the dirty pages after reporting the error once, so a
+  second fsync that succeeds proves nothing); the next write abandons the segment unsynced and
+  starts a new one. Closed or abandoned segments are returned by the next :meth:`WAL.rotate`.
+
+The caller refuses the export with a retryable status; writes succeed again as soon as the
+disk does. The tests inject these errors through :meth:`WAL._write_all` and :meth:`WAL._fsync`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -50,6 +70,10 @@ class WAL:
         self._active_id: int | None = None
         self._written = 0                    # logical bytes written since open, all segments
         self._synced = 0                     # logical bytes known durable
+        self._segment_bytes = 0              # size of the active segment up to its last whole record
+        self._broken: str | None = None      # the active segment saw an I/O error: "torn" or "unsynced"
+        self._failed: tuple[tuple[int, int], ...] = ()   # (lo, hi]: positions never durable; replaced, not mutated
+        self._abandoned: list[int] = []      # segments closed after an I/O error, for the next rotate()
         self._bytes = sum(self._path(i).stat().st_size for i in existing)
         self._closed = False
         self.fsync_seconds = 0.0             # total time spent in fsync, and how often
@@ -87,32 +111,56 @@ class WAL:
         with self._write_lock:
             if self._closed:
                 raise RuntimeError("the WAL is closed")
+            if self._broken is not None:
+                with self._sync_lock:
+                    self._abandon()
             if self._fd is None:
                 self._open_segment()
-            view = memoryview(record)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
+            try:
+                self._write_all(self._fd, record)
+            except OSError:
+                try:   # cut the partial record off, so later records are not stuck behind it
+                    os.ftruncate(self._fd, self._segment_bytes)
+                except OSError:
+                    self._broken = self._broken or "torn"
+                raise
+            self._segment_bytes += len(record)
             self._written += len(record)
             self._bytes += len(record)
             return self._written
 
     def sync(self, position: int) -> None:
-        """Return once every byte up to ``position`` is on stable storage."""
-        if self._synced >= position:
+        """Return once every byte up to ``position`` is on stable storage; raise OSError if it
+        never will be (an fsync of its segment failed)."""
+        if self._synced >= position and not self._lost(position):
             return
         with self._sync_lock:
+            if self._lost(position) or (self._broken == "unsynced" and position > self._synced):
+                raise OSError(errno.EIO, "an fsync of this WAL segment failed; the record is not durable")
             if self._synced >= position:   # another writer's fsync covered us
                 return
             target = self._written         # the fd cannot change while we hold the sync lock
             if self._fd is None:           # rotate() synced and closed it: nothing left to do
                 return
-            self._fsync(self._fd)
+            try:
+                self._fsync(self._fd)
+            except OSError:
+                self._broken = "unsynced"
+                raise
             self._synced = max(self._synced, target)
 
     def append(self, payload: bytes) -> None:
         """Write one record and fsync it before returning."""
         self.sync(self.write(payload))
+
+    def _lost(self, position: int) -> bool:
+        return any(lo < position <= hi for lo, hi in self._failed)
+
+    def _write_all(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
 
     def _fsync(self, fd: int) -> None:
         start = time.perf_counter()
@@ -120,23 +168,57 @@ class WAL:
         self.fsync_seconds += time.perf_counter() - start
         self.fsync_count += 1
 
-    def _open_segment(self) -> None:
-        self._active_id = self._next_id
-        self._next_id += 1
-        self._fd = os.open(self._path(self._active_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        _fsync_dir(self.directory)  # the new file's name must survive a crash too
-
-    def rotate(self) -> list[int]:
-        """Close the active segment (fsynced); returns the ids closed by this call ([] if none)."""
-        with self._write_lock:
-            if self._fd is None:
-                return []
-            with self._sync_lock:
+    def _abandon(self) -> None:
+        """Close the active segment after an I/O error. Hold both locks."""
+        if self._broken != "unsynced":     # torn: the whole records before the tear can still be synced
+            try:
                 self._fsync(self._fd)
                 self._synced = self._written
-                os.close(self._fd)
-                closed = [self._active_id]
-                self._fd = self._active_id = None
+            except OSError:
+                self._broken = "unsynced"
+        if self._broken == "unsynced" and self._written > self._synced:
+            self._failed = (self._failed + ((self._synced, self._written),))[-1024:]
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        log.warning("WAL segment %s abandoned after an I/O error (%s); writing a new one",
+                    self._path(self._active_id).name, self._broken)
+        self._abandoned.append(self._active_id)
+        self._fd = self._active_id = self._broken = None
+        self._segment_bytes = 0
+
+    def _open_segment(self) -> None:
+        segment_id = self._next_id
+        self._next_id += 1
+        path = self._path(segment_id)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _fsync_dir(self.directory)  # the new file's name must survive a crash too
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._fd, self._active_id, self._segment_bytes = fd, segment_id, 0
+
+    def rotate(self) -> list[int]:
+        """Close the active segment (fsynced); returns the ids closed by this call, and those of
+        segments abandoned after an I/O error since the last call ([] if none)."""
+        with self._write_lock, self._sync_lock:
+            if self._fd is not None:
+                if self._broken is None:
+                    try:
+                        self._fsync(self._fd)
+                    except OSError:
+                        self._broken = "unsynced"
+                if self._broken is None:
+                    self._synced = self._written
+                    os.close(self._fd)
+                    self._abandoned.append(self._active_id)
+                    self._fd = self._active_id = None
+                else:
+                    self._abandon()
+            closed, self._abandoned = self._abandoned, []
             return closed
 
     def delete(self, segment_ids: Iterable[int]) -> None:
@@ -145,16 +227,14 @@ class WAL:
         for segment_id in segment_ids:
             if segment_id == self._active_id:
                 raise ValueError(f"segment {segment_id} is active; rotate() it first")
-            path = self._path(segment_id)
             try:
-                size = path.stat().st_size
-                path.unlink()
+                self._path(segment_id).unlink()
             except FileNotFoundError:
                 continue
-            with self._write_lock:
-                self._bytes -= size
             removed = True
         if removed:
+            with self._write_lock:   # from the files: a torn tail that could not be cut is counted too
+                self._bytes = sum(_size(self._path(i)) for i in self.segment_ids())
             _fsync_dir(self.directory)
 
     def close(self) -> None:
@@ -192,6 +272,13 @@ def read_segment(path: str | os.PathLike) -> Iterator[bytes]:
     if offset < size:
         log.warning("WAL segment %s: ignoring %d bytes after offset %d (torn or corrupt record)",
                     path, size - offset, offset)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import os
 import select
@@ -14,147 +13,23 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import requests
 from google.rpc import error_details_pb2, status_pb2
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http import Compression
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
 
-from lightspan.collector import store
 from lightspan.collector.config import CollectorConfig
-from lightspan.collector.server import (EXPORT_METHOD, Collector, CollectorError, Outcome, status_for)
+from lightspan.collector.server import Collector, CollectorError, Outcome, status_for
 from lightspan.collector.wal import WAL
 from lightspan.config import ConfigError, resolve
 from lightspan.tracing import semconv as sc
-
-NEVER = 1e9  # flush_interval_s: only flush() and stop() write Parquet
-
-
-def config(data_dir, **overrides) -> CollectorConfig:
-    values = dict(data_dir=str(data_dir), grpc_port=0, http_port=0, api_port=0, flush_interval_s=NEVER)
-    values.update(overrides)
-    return CollectorConfig(**values)
-
-
-@pytest.fixture
-def data_dir(tmp_path) -> Path:
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def collector_factory(data_dir):
-    started = []
-
-    def make(**overrides) -> Collector:
-        collector = Collector(config(overrides.pop("data_dir", data_dir), **overrides)).start()
-        started.append(collector)
-        return collector
-
-    yield make
-    for collector in started:
-        collector.stop()
-
-
-def build_provider(rollout: str, processor_exporter=None):
-    resource = Resource.create({"service.name": "agent", sc.ROLLOUT_ID: rollout, sc.TASK_ID: "task-1"})
-    provider = TracerProvider(resource=resource)
-    memory = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(processor_exporter or memory))
-    return provider, memory
-
-
-def agent_run(provider, calls: int = 2) -> None:
-    tracer = provider.get_tracer("test-agent")
-    with tracer.start_as_current_span("agent"):
-        for i in range(calls):
-            with tracer.start_as_current_span("chat") as span:
-                span.set_attribute(sc.GEN_AI_OPERATION_NAME, "chat")
-                span.set_attribute(sc.PROMPT_TOKEN_IDS, sc.encode_ids([100 + i, 101, 102]))
-                span.set_attribute(sc.COMPLETION_TOKEN_IDS, [sc.encode_ids([7, i]), sc.encode_ids([9])])
-                span.set_attribute(sc.COMPLETION_LOGPROBS, [sc.encode_floats([-0.5, -1.5]), sc.encode_floats([-2.0])])
-                span.set_attribute(sc.MODEL_VERSION, 3)
-
-
-def make_spans(rollout: str = "rollout-1", calls: int = 2):
-    provider, memory = build_provider(rollout)
-    agent_run(provider, calls)
-    provider.shutdown()
-    return memory.get_finished_spans()
-
-
-def grpc_exporter(collector: Collector, timeout: float = 5) -> GrpcExporter:
-    return GrpcExporter(endpoint=f"127.0.0.1:{collector.grpc_port}", insecure=True, timeout=timeout)
-
-
-def http_exporter(collector: Collector, **kwargs) -> HttpExporter:
-    return HttpExporter(endpoint=f"http://127.0.0.1:{collector.http_port}/v1/traces", timeout=5, **kwargs)
-
-
-def traces_url(collector: Collector) -> str:
-    return f"http://127.0.0.1:{collector.http_port}/v1/traces"
-
-
-def api_url(collector: Collector, path: str) -> str:
-    return f"http://127.0.0.1:{collector.api_port}{path}"
-
-
-def query(data_dir, sql: str):
-    con = store.connect(data_dir)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
-
-def raw_rows(data_dir) -> int:
-    """Rows in the Parquet files, duplicates included."""
-    files = list(Path(data_dir, "spans").rglob("*.parquet"))
-    if not files:
-        return 0
-    return query(data_dir, f"SELECT count(*) FROM read_parquet({[str(f) for f in files]})")[0][0]
-
-
-def grpc_call(collector: Collector, payload: bytes):
-    """One raw OTLP/gRPC call: (response bytes, None) or (None, RpcError)."""
-    with grpc.insecure_channel(f"127.0.0.1:{collector.grpc_port}") as channel:
-        export = channel.unary_unary(EXPORT_METHOD)
-        try:
-            return export(payload, timeout=5), None
-        except grpc.RpcError as error:
-            return None, error
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def request_bytes(spans) -> bytes:
-    return encode_spans(spans).SerializeToString()
-
-
-def with_bad_span(spans) -> bytes:
-    """A valid request whose last span has a 15-byte trace id."""
-    request = encode_spans(spans)
-    bad = request.resource_spans[0].scope_spans[0].spans.add()
-    bad.CopyFrom(request.resource_spans[0].scope_spans[0].spans[0])
-    bad.trace_id = bad.trace_id[:15]
-    return request.SerializeToString()
+from tests.collector.helpers import (agent_run, api_url, build_provider, config, grpc_call,
+                                    grpc_exporter, http_exporter, make_spans, query, raw_rows, request_bytes,
+                                    traces_url, wait_for, with_bad_span)
 
 
 # --- the happy paths ---------------------------------------------------------------------------
@@ -439,7 +314,7 @@ def test_api_healthz_metrics_flush(collector_factory):
     assert int(samples["lightspan_collector_fsync_seconds_count"]) >= 1
     assert "# TYPE lightspan_collector_flush_seconds summary" in metrics.text
     flushed = requests.post(api_url(collector, "/v1/flush"), timeout=5)
-    assert flushed.json() == {"flushed_spans": 3}
+    assert flushed.json() == {"flushed_spans": 3, "flushed_log_records": 0}
     after = requests.get(api_url(collector, "/metrics"), timeout=5).text
     assert "lightspan_collector_flush_seconds_count 1" in after and "lightspan_collector_queue_bytes 0" in after
     assert requests.get(api_url(collector, "/nope"), timeout=5).status_code == 404
@@ -474,9 +349,9 @@ def test_serve_logs_addresses_and_exits_cleanly_on_sigterm(tmp_path):
 # --- the one status mapping, and the config ------------------------------------------------
 
 def test_status_for_separates_permanent_from_retryable():
-    assert {o for o in Outcome if status_for(o).retryable} == {Outcome.QUEUE_FULL, Outcome.UNAVAILABLE}
+    assert {o for o in Outcome if status_for(o).retryable} == {Outcome.QUEUE_FULL, Outcome.DISK, Outcome.UNAVAILABLE}
     assert all(status_for(o).http_status == 503 and status_for(o).grpc_code == grpc.StatusCode.UNAVAILABLE
-               for o in (Outcome.QUEUE_FULL, Outcome.UNAVAILABLE))
+               for o in (Outcome.QUEUE_FULL, Outcome.DISK, Outcome.UNAVAILABLE))
     assert status_for(Outcome.INVALID).http_status == 400
     assert status_for(Outcome.INVALID).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(Outcome.TOO_LARGE).http_status == 413
@@ -493,6 +368,10 @@ def test_status_for_separates_permanent_from_retryable():
     ({"retry_after_s": 0}, "collector.retry_after_s"),
     ({"data_dir": ""}, "collector.data_dir"),
     ({"grpc_port": 5000, "http_port": 5000}, "collector.api_port"),
+    ({"sql_timeout_s": 0}, "collector.sql_timeout_s"),
+    ({"sql_max_rows": 0}, "collector.sql_max_rows"),
+    ({"compact_min_files": -1}, "collector.compact_min_files"),
+    ({"retention_days": 1.5}, "collector.retention_days"),
 ])
 def test_config_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:
@@ -511,9 +390,20 @@ def test_config_resolves_env_alias_and_rejects_bad_env(tmp_path):
     assert info.value.field == "collector.api_port"
 
 
+def test_collector_help_documents_every_field(capsys):
+    from lightspan.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["collector", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("--auth-token", "--tls-cert-file", "--sql-timeout-s",
+                                               "--sql-max-rows", "--compact-min-files", "--retention-days"))
+
+
 def test_store_import_does_not_pull_in_the_receivers():
     code = ("import sys, lightspan.collector.store;"
-            "bad = [m for m in ('grpc', 'http.server', 'lightspan.collector.server') if m in sys.modules];"
+            "bad = [m for m in ('grpc', 'http.server', 'lightspan.collector.server', 'lightspan.collector.httpd') if m in sys.modules];"
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

@@ -1,0 +1,277 @@
+"""Acknowledged spans/s of the lightspan collector (WAL + fsync on) vs a receiver without durability.
+
+Usage (from the repository root; < 60 s with the defaults)::
+
+    .venv/bin/python bench/collector_ingest.py [--seconds 8] [--senders 4] [--batch 512]
+
+Load: pre-serialized OTLP ``ExportTraceServiceRequest``s of ``--batch`` GenAI spans each (the
+attributes traceloop's OpenAI instrumentation writes, JSON messages, plus lightspan's token ids
+and logprobs as little-endian bytes: ≈ 2.4 KB a span), sent over raw gRPC stubs by ``--senders``
+threads, one channel each. A refusal (UNAVAILABLE + RetryInfo) is retried after the delay in the
+``google.rpc.retryinfo-bin`` trailer, as the Python OTLP exporter does; its time counts.
+
+Targets, one after the other, each in its own process (the load generator keeps its own GIL):
+
+1. ``baseline``: a minimal OTLP/gRPC receiver with the same gRPC settings that parses each
+   request and acknowledges it. No WAL, no fsync, no Parquet: the ceiling of a Python receiver.
+2. ``lightspan``: ``lightspan.collector.server.Collector`` with its defaults: every request is
+   parsed, flattened to Arrow, written to the WAL and fsynced (group commit) before the ack;
+   Parquet is written every second off the request path. After the run the collector stops (the
+   final flush) and the script checks that Parquet holds every acknowledged span.
+3. ``lightspan-nofsync`` (unless ``--targets`` leaves it out): the same collector with the WAL's
+   fsync replaced by a no-op in its process, to separate the price of durability from the price
+   of flattening. Not a configuration anyone should run.
+
+Printed: spans/s and MB/s acknowledged, p50/p99 export latency, refusals, and the ratios to the
+baseline. The targets share the machine with the senders, as in a one-box deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+EXPORT_METHOD = f"/{TRACE_SERVICE}/Export"
+RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+def genai_request(batch: int, rng: random.Random) -> bytes:
+    """One ExportTraceServiceRequest of ``batch`` chat spans with token ids as bytes."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from lightspan.tracing import semconv as sc
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    for key, value in (("service.name", "bench-agent"), (sc.ROLLOUT_ID, f"rollout-{rng.getrandbits(32):08x}"),
+                       (sc.TASK_ID, f"task-{rng.randrange(100)}")):
+        rs.resource.attributes.add(key=key).value.string_value = value
+    scope = rs.scope_spans.add()
+    scope.scope.name = "opentelemetry.instrumentation.openai.v1"
+    trace_id = rng.randbytes(16)
+    now = time.time_ns()
+    for i in range(batch):
+        prompt = [rng.randrange(50_000) for _ in range(256)]
+        completion = [rng.randrange(50_000) for _ in range(64)]
+        span = scope.spans.add(trace_id=trace_id, span_id=rng.randbytes(8), name="openai.chat", kind=3,
+                               start_time_unix_nano=now + i * 1000, end_time_unix_nano=now + i * 1000 + 5 * 10**8)
+        attrs = {
+            sc.GEN_AI_OPERATION_NAME: "chat", "gen_ai.system": "openai",
+            sc.GEN_AI_REQUEST_MODEL: "policy", sc.GEN_AI_RESPONSE_MODEL: "policy",
+            sc.GEN_AI_USAGE_INPUT_TOKENS: len(prompt), sc.GEN_AI_USAGE_OUTPUT_TOKENS: len(completion),
+            sc.GEN_AI_INPUT_MESSAGES: json.dumps([{"role": "user", "content": "What is 17 + 25? " * 8}]),
+            sc.GEN_AI_OUTPUT_MESSAGES: json.dumps([{"role": "assistant", "content": "17 + 25 = 42. " * 6}]),
+            sc.PROMPT_TOKEN_IDS: sc.encode_ids(prompt), sc.COMPLETION_TOKEN_IDS: sc.encode_ids(completion),
+            sc.COMPLETION_LOGPROBS: sc.encode_floats([-rng.random() for _ in completion]),
+            sc.MODEL_VERSION: 3,
+        }
+        for key, value in attrs.items():
+            v = span.attributes.add(key=key).value
+            if isinstance(value, bytes):
+                v.bytes_value = value
+            elif isinstance(value, int):
+                v.int_value = value
+            else:
+                v.string_value = value
+        v = span.attributes.add(key=sc.GEN_AI_RESPONSE_FINISH_REASONS).value
+        v.array_value.values.add().string_value = "stop"
+    return request.SerializeToString()
+
+
+def send(port: int, payloads: list[bytes], batch: int, senders: int, warmup_s: float, seconds: float) -> dict:
+    """``senders`` threads export round-robin for warmup + seconds; counts only the measured window."""
+    start = time.monotonic()
+    window = (start + warmup_s, start + warmup_s + seconds)
+    results = [dict(acked=0, bytes=0, refused=0, errors=0, latencies=[]) for _ in range(senders)]
+
+    def sender(k: int) -> None:
+        out = results[k]
+        # a channel of its own (its own TCP connection), like separate agent processes
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS + [
+            ("grpc.use_local_subchannel_pool", 1)])
+        export = channel.unary_unary(EXPORT_METHOD)
+        i = k
+        while True:
+            t0 = time.monotonic()
+            if t0 >= window[1]:
+                break
+            payload = payloads[i % len(payloads)]
+            i += 1
+            try:
+                export(payload, timeout=30)
+            except grpc.RpcError as error:
+                if window[0] <= t0:
+                    out["refused" if error.code() == grpc.StatusCode.UNAVAILABLE else "errors"] += 1
+                delay = 1.0
+                for key, value in error.trailing_metadata() or ():
+                    if key == RETRY_INFO_KEY:
+                        from google.rpc import error_details_pb2
+                        info = error_details_pb2.RetryInfo.FromString(value)
+                        delay = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+                time.sleep(min(delay, max(0.0, window[1] - time.monotonic())))
+                continue
+            t1 = time.monotonic()
+            if window[0] <= t0 and t1 <= window[1]:
+                out["acked"] += batch
+                out["bytes"] += len(payload)
+                out["latencies"].append(t1 - t0)
+        channel.close()
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    latencies = sorted(x for r in results for x in r["latencies"])
+    acked = sum(r["acked"] for r in results)
+    return {
+        "spans_per_s": acked / seconds,
+        "mb_per_s": sum(r["bytes"] for r in results) / seconds / 1e6,
+        "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else float("nan"),
+        "refused": sum(r["refused"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "acked_in_window": acked,
+    }
+
+
+# --- targets (run in a child process) ------------------------------------------------------------
+
+def _baseline(conn) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                          ExportTraceServiceResponse)
+    empty = ExportTraceServiceResponse().SerializeToString()
+    received = [0]
+
+    def handle(request: bytes, context) -> bytes:
+        received[0] += sum(len(ss.spans) for rs in ExportTraceServiceRequest.FromString(request).resource_spans
+                           for ss in rs.scope_spans)
+        return empty
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS, maximum_concurrent_rpcs=64,
+                         handlers=[grpc.method_handlers_generic_handler(
+                             TRACE_SERVICE, {"Export": grpc.unary_unary_rpc_method_handler(handle)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn.send(port)
+    conn.recv()
+    server.stop(5).wait()
+    conn.send({"spans_received": received[0]})
+
+
+def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
+    from lightspan.collector import store
+    from lightspan.collector.config import CollectorConfig
+    from lightspan.collector.server import Collector
+    from lightspan.collector.wal import WAL
+
+    if not fsync:
+        WAL._fsync = lambda self, fd: None           # this process only: measures what durability costs
+
+    collector = Collector(CollectorConfig(data_dir=data_dir, grpc_port=0, http_port=0, api_port=0)).start()
+    conn.send(collector.grpc_port)
+    conn.recv()
+    start = time.monotonic()
+    collector.stop()                                 # the final flush: everything acknowledged → Parquet
+    stop_s = time.monotonic() - start
+    snap = collector.metrics.snapshot()
+    files = [str(p) for p in Path(data_dir, "spans").rglob("*.parquet")]
+    con = store.connect(data_dir)
+    rows = con.execute(f"SELECT count(*) FROM read_parquet({files})").fetchone()[0] if files else 0
+    con.close()
+    conn.send({"spans_accepted": snap["spans_accepted_total"], "spans_in_parquet": rows,
+               "fsyncs": collector._wal.fsync_count, "stop_s": stop_s,
+               "refused": snap["requests_refused_total"]})
+
+
+def run_target(name: str, args, payloads: list[bytes]) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with tempfile.TemporaryDirectory(prefix="lightspan-bench-", dir=args.data_dir) as data_dir:
+        target = (_baseline, (child,)) if name == "baseline" else (_lightspan, (child, data_dir, name == "lightspan"))
+        process = ctx.Process(target=target[0], args=target[1], daemon=True)
+        process.start()
+        try:
+            if not parent.poll(60):
+                raise RuntimeError(f"{name} did not start")
+            port = parent.recv()
+            result = send(port, payloads, args.batch, args.senders, args.warmup, args.seconds)
+            parent.send("stop")
+            if not parent.poll(120):
+                raise RuntimeError(f"{name} did not stop")
+            result["server"] = parent.recv()
+        finally:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per target")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds sent before measuring, per target")
+    parser.add_argument("--senders", type=int, default=4, help="concurrent exporters (threads, one channel each)")
+    parser.add_argument("--batch", type=int, default=512, help="spans per export request")
+    parser.add_argument("--payloads", type=int, default=6, help="distinct pre-built requests, sent round-robin")
+    parser.add_argument("--targets", default="baseline,lightspan,lightspan-nofsync",
+                        help="comma-separated, from baseline, lightspan, lightspan-nofsync (baseline and lightspan needed)")
+    parser.add_argument("--data-dir", default=None,
+                        help="where the collector's WAL and Parquet go (a temporary directory inside it; default: "
+                             "the system's temp dir). Put it on the disk you mean to deploy on: fsync cost varies")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args(argv)
+
+    rng = random.Random(0)
+    started = time.monotonic()
+    payloads = [genai_request(args.batch, rng) for _ in range(args.payloads)]
+    span_bytes = sum(map(len, payloads)) / (len(payloads) * args.batch)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync"}
+    if unknown or not {"baseline", "lightspan"} <= set(targets):
+        parser.error(f"--targets: need baseline and lightspan, may add lightspan-nofsync; got {targets}")
+    results = {name: run_target(name, args, payloads) for name in targets}
+    ratio = results["lightspan"]["spans_per_s"] / results["baseline"]["spans_per_s"]
+    server = results["lightspan"]["server"]
+    complete = server["spans_in_parquet"] >= server["spans_accepted"]
+    if args.json:
+        print(json.dumps({"args": vars(args), "span_bytes": span_bytes, "results": results, "ratio": ratio}))
+    else:
+        print(f"{args.senders} senders x {args.batch}-span GenAI batches ({span_bytes / 1000:.2f} KB/span, "
+              f"{len(payloads[0]) / 1e6:.2f} MB/request), {args.seconds:g} s measured after {args.warmup:g} s, "
+              f"{os.cpu_count()} CPUs")
+        print(f"{'target':<18} {'spans/s':>9} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'refused':>8} {'errors':>7}")
+        for name, r in results.items():
+            print(f"{name:<18} {r['spans_per_s']:>9.0f} {r['mb_per_s']:>7.1f} {r['p50_ms']:>8.1f} "
+                  f"{r['p99_ms']:>8.1f} {r['refused']:>8} {r['errors']:>7}")
+        for name in results:
+            if name != "baseline":
+                print(f"{name} / baseline = {results[name]['spans_per_s'] / results['baseline']['spans_per_s']:.3f}")
+        if "lightspan-nofsync" in results:
+            print(f"lightspan / lightspan-nofsync = "
+                  f"{results['lightspan']['spans_per_s'] / results['lightspan-nofsync']['spans_per_s']:.2f}")
+        print(f"lightspan: {server['spans_accepted']} spans acknowledged, {server['spans_in_parquet']} in Parquet "
+              f"after stop ({'nothing lost' if complete else 'MISSING SPANS'}), {server['fsyncs']} fsyncs, "
+              f"final flush {server['stop_s']:.1f} s")
+        print(f"total {time.monotonic() - started:.0f} s")
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The API's two data endpoints, as functions the HTTP transport calls.
+
+``POST /v1/rewards`` — late rewards keyed by rollout id (DESIGN.md §3.4). Each reward becomes
+one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``lightspan.reward``,
+``lightspan.reward.name``) in an ordinary ``ExportTraceServiceRequest`` that goes through the
+collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the
+200, and it shows in the ``rewards`` and ``rollouts`` views like a reward span an agent sent.
+Its trace and span ids are a hash of (rollout_id, name, id): posting the same reward again
+writes a row with the same ids, which the ``spans`` view's deduplication hides (the first one
+received wins). Without ``id``, a rollout has one reward per name; give ``id`` to record
+several.
+
+``POST /v1/sql`` / ``GET /v1/sql?q=`` — read-only SQL over the store's views: one SELECT (or
+EXPLAIN) statement, on a fresh in-memory DuckDB connection from :func:`store.connect` whose
+external access is switched off once the views exist (only the data directory's tables stay
+readable; ``read_csv``, ``COPY``, ``ATTACH``, ``INSTALL`` of anything else are refused) and
+whose configuration is then locked. A timer thread interrupts the query after ``timeout_s``;
+at most ``max_rows`` rows come back (``truncated`` says there were more).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import hashlib
+import math
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import duckdb
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from lightspan.collector import store
+from lightspan.tracing import semconv as sc
+
+REWARD_ID = "lightspan.reward.id"       # the idempotency key of a posted reward
+REWARD_SCOPE = "lightspan.collector.rewards"
+MAX_REWARDS = 10_000                    # per request
+_REWARD_KEYS = {"rollout_id", "value", "name", "id", "task_id"}
+
+
+class BadRequest(ValueError):
+    """The client's request is wrong (HTTP 400); the message says what and how to fix it."""
+
+
+# --- rewards -----------------------------------------------------------------------------------
+
+def reward_ids(rollout_id: str, name: str, key: str | None) -> tuple[bytes, bytes]:
+    """The deterministic (trace_id, span_id) of one posted reward."""
+    digest = hashlib.sha256("\x00".join(["lightspan.reward", rollout_id, name, key or ""]).encode()).digest()
+    trace_id, span_id = digest[:16], digest[16:24]
+    # an all-zero id is invalid in OTLP; astronomically unlikely, but never emit one
+    return trace_id if any(trace_id) else b"\x01" * 16, span_id if any(span_id) else b"\x01" * 8
+
+
+def _text(item: dict, key: str, where: str, *, required: bool) -> str | None:
+    value = item.get(key)
+    if value is None:
+        if required:
+            raise BadRequest(f"{where}: {key!r} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise BadRequest(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+    value = str(value)
+    if not value.strip():
+        raise BadRequest(f"{where}: {key!r} is empty")
+    return value
+
+
+def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, list[dict]]:
+    """A JSON reward (or a list of them) → one span each; returns (request, what was recorded).
+
+    A reward is ``{"rollout_id": str, "value": number, "name": "reward", "id": optional key,
+    "task_id": optional}``. Raises :class:`BadRequest` naming the offending item and field.
+    """
+    items = doc if isinstance(doc, list) else [doc]
+    if not items:
+        raise BadRequest("no rewards: send an object or a non-empty list of objects")
+    if len(items) > MAX_REWARDS:
+        raise BadRequest(f"{len(items)} rewards in one request: send at most {MAX_REWARDS}")
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    scope.scope.name = REWARD_SCOPE
+    recorded = []
+    for i, item in enumerate(items):
+        where = f"reward[{i}]" if isinstance(doc, list) else "reward"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} is not a JSON object: send {{\"rollout_id\": ..., \"value\": ...}}")
+        unknown = sorted(set(item) - _REWARD_KEYS)
+        if unknown:
+            raise BadRequest(f"{where}: unknown field(s) {unknown}; known: {sorted(_REWARD_KEYS)}")
+        rollout_id = _text(item, "rollout_id", where, required=True)
+        name = _text(item, "name", where, required=False) or "reward"
+        key = _text(item, "id", where, required=False)
+        task_id = _text(item, "task_id", where, required=False)
+        value = item.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"{where}: 'value' must be a number, got {value!r}")
+        value = float(value) if isinstance(value, float) or abs(value) < 1 << 1000 else math.inf
+        if not math.isfinite(value):
+            raise BadRequest(f"{where}: 'value' must be finite, got {value}")
+        trace_id, span_id = reward_ids(rollout_id, name, key)
+        span = scope.spans.add(trace_id=trace_id, span_id=span_id, name=sc.SPAN_REWARD, kind=1,
+                               start_time_unix_nano=now_unix_nano, end_time_unix_nano=now_unix_nano)
+        attrs = [(sc.ROLLOUT_ID, rollout_id), (sc.REWARD, value), (sc.REWARD_NAME, name)]
+        attrs += [(k, v) for k, v in ((sc.TASK_ID, task_id), (REWARD_ID, key)) if v is not None]
+        for attr, attr_value in attrs:
+            kv = span.attributes.add(key=attr)
+            if isinstance(attr_value, float):
+                kv.value.double_value = attr_value
+            else:
+                kv.value.string_value = attr_value
+        recorded.append({"rollout_id": rollout_id, "name": name, "id": key, "value": value,
+                         "trace_id": trace_id.hex(), "span_id": span_id.hex()})
+    return request, recorded
+
+
+# --- SQL -------------------------------------------------------------------------------------
+
+_READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+def sql_connection(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
+    """A connection with the store's views whose external access is off and locked."""
+    root = Path(data_dir).resolve()
+    con = store.connect(root)          # the views read the data directory's Parquet files...
+    try:
+        allowed = ", ".join(_quote(str(root / table) + "/") for table in store.TABLES)
+        con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")            # a query cannot SET it back
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int) -> dict:
+    """Run one read-only statement; returns ``{"columns", "types", "rows", "row_count",
+    "truncated", "elapsed_s"}``. Raises :class:`BadRequest` with DuckDB's message on any error."""
+    if not isinstance(sql, str) or not sql.strip():
+        raise BadRequest('no SQL: send {"sql": "SELECT ..."} or GET /v1/sql?q=SELECT+...')
+    start = time.perf_counter()
+    try:
+        con = sql_connection(data_dir)
+    except duckdb.Error as exc:
+        raise BadRequest(f"cannot open the store: {exc}") from None
+    timed_out = threading.Event()
+
+    def interrupt() -> None:
+        timed_out.set()
+        try:
+            con.interrupt()
+        except duckdb.Error:   # the query finished and the connection closed meanwhile
+            pass
+
+    timer = threading.Timer(timeout_s, interrupt)
+    timer.daemon = True
+    try:
+        statements = con.extract_statements(sql)
+        if len(statements) != 1:
+            raise BadRequest(f"send exactly one statement, got {len(statements)}")
+        if statements[0].type not in _READ_ONLY:
+            raise BadRequest(f"only SELECT and EXPLAIN are allowed here, got {statements[0].type.name}: "
+                             "the SQL endpoint is read-only")
+        timer.start()
+        cursor = con.execute(sql)
+        columns = [d[0] for d in cursor.description or []]
+        types = [str(d[1]) for d in cursor.description or []]
+        rows = cursor.fetchmany(max_rows + 1)   # one more than allowed tells us it was truncated
+    except duckdb.Error as exc:
+        if timed_out.is_set():
+            raise BadRequest(f"the query ran past sql_timeout_s={timeout_s:g} s and was interrupted") from None
+        raise BadRequest(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        timer.cancel()
+        con.close()
+    truncated = len(rows) > max_rows
+    rows = rows[:max_rows]
+    return {"columns": columns, "types": types, "rows": [[jsonable(v) for v in row] for row in rows],
+            "row_count": len(rows), "truncated": truncated, "elapsed_s": round(time.perf_counter() - start, 6)}
+
+
+def jsonable(value):
+    """A DuckDB value as JSON: non-finite floats and bytes as strings, maps as objects."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    return str(value)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

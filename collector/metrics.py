@@ -1,0 +1,83 @@
+"""The collector measures itself: counters and summaries in the Prometheus text format.
+
+Every metric is named ``lightspan_collector_<name>`` and explained once, in its HELP line below.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from lightspan.collector.outcomes import Outcome
+
+_PREFIX = "lightspan_collector_"
+COUNTERS = {
+    "spans_received_total": "Spans in parsed export requests (a refused request retried counts again).",
+    "spans_accepted_total": "Spans acknowledged: durable in the WAL, on their way to Parquet.",
+    "spans_rejected_total": "Malformed spans dropped from otherwise valid requests (partial_success).",
+    "spans_written_total": "Spans written to Parquet, WAL replay included.",
+    "spans_replayed_total": "Spans recovered from the WAL at start-up.",
+    "log_records_received_total": "Log records in parsed OTLP logs requests.",
+    "log_records_accepted_total": "Log records acknowledged: durable in the WAL, on their way to Parquet.",
+    "log_records_rejected_total": "Malformed log records dropped from otherwise valid requests (partial_success).",
+    "log_records_written_total": "Log records written to Parquet, WAL replay included.",
+    "rewards_accepted_total": "Late rewards acknowledged through POST /v1/rewards (re-posts included).",
+    "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
+    "compactions_total": "Date partitions whose small Parquet files were merged into one.",
+    "files_compacted_total": "Small Parquet files removed by compaction (replaced by merged files).",
+    "partitions_expired_total": "Date partitions deleted by the retention limit (retention_days).",
+    "maintenance_errors_total": "Compaction or retention runs that failed; they are retried on the next interval.",
+    "sql_queries_total": "Queries answered by the SQL endpoint.",
+    "sql_errors_total": "Queries refused by the SQL endpoint (bad SQL, not read-only, time limit, external access).",
+}
+
+
+class Metrics:
+    """Counters and summaries of one collector, rendered in the Prometheus text format."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._refused = {o.value: 0 for o in Outcome if o is not Outcome.OK}
+        self._flush_sum = 0.0
+        self._flush_count = 0
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def refused(self, outcome: Outcome) -> None:
+        with self._lock:
+            self._refused[outcome.value] += 1
+
+    def observe_flush(self, seconds: float) -> None:
+        with self._lock:
+            self._flush_sum += seconds
+            self._flush_count += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {**self._counters, "requests_refused_total": dict(self._refused),
+                    "flush_seconds_sum": self._flush_sum, "flush_seconds_count": self._flush_count}
+
+    def render(self, *, queue_bytes: int, wal_bytes: int, fsync_sum: float, fsync_count: int) -> str:
+        snap = self.snapshot()
+        lines = []
+
+        def metric(name, kind, help_, samples):
+            lines.append(f"# HELP {_PREFIX}{name} {help_}")
+            lines.append(f"# TYPE {_PREFIX}{name} {kind}")
+            lines.extend(f"{_PREFIX}{sample} {value}" for sample, value in samples)
+
+        for name, help_ in COUNTERS.items():
+            metric(name, "counter", help_, [(name, snap[name])])
+        metric("requests_refused_total", "counter",
+               "Requests answered with an error, by reason (disk: the WAL could not be written).",
+               [(f'requests_refused_total{{reason="{r}"}}', n) for r, n in snap["requests_refused_total"].items()])
+        metric("queue_bytes", "gauge", "Arrow bytes accepted but not yet in Parquet (bounded by max_queue_bytes).",
+               [("queue_bytes", queue_bytes)])
+        metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", wal_bytes)])
+        metric("flush_seconds", "summary", "Time to write queued rows to Parquet, per flush with data.",
+               [("flush_seconds_sum", snap["flush_seconds_sum"]), ("flush_seconds_count", snap["flush_seconds_count"])])
+        metric("fsync_seconds", "summary", "Time in WAL fsync (one fsync may cover several exports).",
+               [("fsync_seconds_sum", fsync_sum), ("fsync_seconds_count", fsync_count)])
+        return "\n".join(lines) + "\n"
