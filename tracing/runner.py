@@ -43,6 +43,10 @@ class RolloutConfig:
     retries: int = option(1, "Extra attempts after an infrastructure failure (never after an agent error).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the agents export to.")
     openai_base_url: str = option("http://127.0.0.1:8000/v1", "OPENAI_BASE_URL given to the agents; token ids are captured there.")
+    gateway_url: str = option(
+        "", "A lightspan gateway (http://HOST:PORT) in front of openai_base_url's server: agents then get "
+            "OPENAI_BASE_URL=GATEWAY/rollouts/ID/tasks/TASK/splits/SPLIT/v1, so a non-Python agent's calls are "
+            "captured and grouped by the gateway, and the in-process instrumentor stands aside (no double capture).")
     data_dir: str = option("./lightspan-data", "Data directory (its policy.json gives the served policy version).",
                            env="LIGHTSPAN_DATA_DIR")
     service_name: str = option("agent", "OTEL_SERVICE_NAME of the agents unless the environment sets one.")
@@ -89,22 +93,37 @@ def resource_attributes(existing: str, rollout_id: str, task_id: str, split: str
     return ",".join(kept + [f"{k}={quote(v, safe='')}" for k, v in ours.items()])
 
 
-def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OTEL_RESOURCE_ATTRIBUTES"] = resource_attributes(
-        env.get("OTEL_RESOURCE_ATTRIBUTES", ""), rollout_id, task["id"], cfg.split)
-    env.setdefault("OTEL_SERVICE_NAME", cfg.service_name)
-    env.update({
+def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None,
+                resource: str = "") -> dict[str, str]:
+    """The variables one rollout's agent process gets (on top of its environment, or in a Job)."""
+    base_url, capture = cfg.openai_base_url, cfg.openai_base_url
+    if cfg.gateway_url:
+        ids = "/".join(f"{k}/{quote(v, safe='')}" for k, v in
+                       (("rollouts", rollout_id), ("tasks", task["id"]), ("splits", cfg.split)))
+        base_url, capture = f"{cfg.gateway_url.rstrip('/')}/{ids}/v1", "none"
+    env = {
+        "OTEL_RESOURCE_ATTRIBUTES": resource_attributes(resource, rollout_id, task["id"], cfg.split),
+        "OTEL_SERVICE_NAME": cfg.service_name,
         "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": cfg.otlp_endpoint,
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-        "OPENAI_BASE_URL": cfg.openai_base_url,
-        "LIGHTSPAN_CAPTURE_URLS": cfg.openai_base_url,
+        "OPENAI_BASE_URL": base_url,
+        "LIGHTSPAN_CAPTURE_URLS": capture,
         "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
-    })
-    env.setdefault("OPENAI_API_KEY", "lightspan")
+        "OPENAI_API_KEY": "lightspan",
+    }
     if version is not None:
         env["LIGHTSPAN_MODEL_VERSION"] = str(version)
+    return env
+
+
+def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    ours = rollout_env(cfg, task, rollout_id, version, env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY"):  # the caller's own choice wins for these
+        if env.get(key):
+            ours.pop(key)
+    env.update(ours)
     return env
 
 

@@ -45,7 +45,13 @@ COMPLETION_LOGPROBS = "lightspan.completion_logprobs"
 MODEL_VERSION = "lightspan.model.version"
 """The policy version that served the call (LLM span)."""
 CAPTURE_STATUS = "lightspan.capture.status"
-"""``ok``, or why token ids could not be captured for this call (LLM span)."""
+"""``ok``, or why token ids could not be captured for this call (LLM span): ``no_token_ids``,
+``logprobs_mismatch``, ``multiple_prompts``, ``unparsed_response``, ``stream_incomplete`` (the
+stream was not read to its end), ``upstream_error`` (gateway), or ``duplicate`` (see below)."""
+CAPTURE_DUPLICATE_OF = "lightspan.capture.duplicate_of"
+"""On an LLM span that encloses another LLM span of the same call (two OpenAI instrumentations,
+or a framework's span around the client's): the hex span id of the inner span, which carries the
+token ids. Such a span has ``lightspan.capture.status=duplicate`` and is not a separate call."""
 REWARD = "lightspan.reward"
 """A float reward, on a reward span or on any span."""
 REWARD_NAME = "lightspan.reward.name"

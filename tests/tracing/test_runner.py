@@ -58,6 +58,21 @@ def test_agent_environment_carries_task_version_and_capture_url(tmp_path):
     assert "lightspan.split=val" in env["OTEL_RESOURCE_ATTRIBUTES"]
 
 
+def test_behind_a_gateway_the_ids_travel_in_the_base_url(tmp_path):
+    from lightspan.tracing.gateway import route
+    from lightspan.tracing.instrumentor import should_capture
+
+    cfg = _cfg(tmp_path, gateway_url="http://127.0.0.1:8100/", split="val")
+    env = runner.agent_environment(cfg, {"id": "t/1"}, "t/1-abc", 5)
+    base = env["OPENAI_BASE_URL"]
+    assert base.startswith("http://127.0.0.1:8100/rollouts/")
+    ids, path = route(base.removeprefix("http://127.0.0.1:8100") + "/chat/completions")
+    assert ids == {semconv.ROLLOUT_ID: "t/1-abc", semconv.TASK_ID: "t/1", semconv.SPLIT: "val"}
+    assert path == "/v1/chat/completions"
+    # the in-process instrumentor leaves these calls to the gateway, even on loopback
+    assert not should_capture(base, "/chat/completions", env["LIGHTSPAN_CAPTURE_URLS"].split(","))
+
+
 def test_policy_version_reads_policy_json(tmp_path):
     assert runner.policy_version(tmp_path) == 0
     (tmp_path / "policy.json").write_text(json.dumps({"version": 3}))

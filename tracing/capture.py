@@ -1,0 +1,159 @@
+"""What vLLM is asked for, and how its answer becomes span attributes.
+
+Shared by the instrumentor (openai's parsed objects) and the gateway (plain JSON dicts): both
+shapes are read through :func:`_get`, so there is one parser for responses and stream chunks.
+
+What vLLM 0.32 returns with ``return_token_ids: true`` and ``logprobs`` (measured):
+
+- non-streaming chat: ``prompt_token_ids`` at the top level, ``choices[i].token_ids`` and
+  ``choices[i].logprobs.content[j].logprob``;
+- non-streaming completions: ``choices[i].prompt_token_ids`` (per choice), ``choices[i].token_ids``,
+  ``choices[i].logprobs.token_logprobs``;
+- streaming chat: a first chunk per choice with the ``role`` delta, ``prompt_token_ids`` at the top
+  level and no ``token_ids``; then one chunk per token (or a few) with ``choices[0].token_ids``
+  and ``choices[0].logprobs.content``; choices of ``n > 1`` interleave, told apart by ``index``;
+- streaming completions: ``choices[0].prompt_token_ids`` on each choice's first chunk (``null``
+  after), ``token_ids`` and ``logprobs.token_logprobs`` per chunk;
+- ``stream_options.include_usage`` adds one last chunk with ``choices: []`` and the usage; we never
+  add it, because an agent that reads ``chunk.choices[0]`` would fail on that chunk;
+- without ``return_token_ids`` the keys are still there, with ``null``.
+"""
+
+from __future__ import annotations
+
+from lightspan.tracing import semconv
+
+CHAT = "chat"
+TEXT_COMPLETION = "text_completion"
+
+
+def operation(path: str) -> str | None:
+    """``chat`` or ``text_completion`` for an OpenAI generation path, else None."""
+    path = "/" + str(path).split("?", 1)[0].strip("/")
+    if path.endswith("/chat/completions"):
+        return CHAT
+    if path.endswith("/completions"):
+        return TEXT_COMPLETION
+    return None
+
+
+def with_capture(body: dict, operation: str) -> dict:
+    """The request body plus the fields that make vLLM return token ids and logprobs."""
+    body = dict(body)
+    body["return_token_ids"] = True
+    if operation == CHAT:
+        if not body.get("logprobs"):
+            body["logprobs"] = True
+    elif body.get("logprobs") is None:
+        body["logprobs"] = 0  # completions: the sampled token's logprob only
+    return body
+
+
+def _get(obj, name: str):
+    """A field of a JSON dict or of an openai object (vLLM's extra fields included)."""
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+class _Choice:
+    __slots__ = ("ids", "logprobs", "finish_reason", "prompt_ids")
+
+    def __init__(self):
+        self.prompt_ids = None  # completions only: each choice names its prompt
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+
+
+class Capture:
+    """Token ids and logprobs of one call, from its response or from its stream chunks in order."""
+
+    def __init__(self, operation: str):
+        self.operation = operation
+        self.prompt_ids = None
+        self.model = None
+        self.choices: dict[int, _Choice] = {}
+        self.parsed = False  # saw something shaped like a completion
+
+    def add(self, payload) -> None:
+        """Fold in one non-streaming response or one stream chunk."""
+        choices = _get(payload, "choices")
+        if choices is None:
+            return
+        self.parsed = True
+        if self.prompt_ids is None:
+            self.prompt_ids = _get(payload, "prompt_token_ids")
+        if self.model is None:
+            self.model = _get(payload, "model")
+        for choice in choices:
+            index = _get(choice, "index") or 0
+            c = self.choices.get(index)
+            if c is None:
+                c = self.choices[index] = _Choice()
+            prompt_ids = _get(choice, "prompt_token_ids")
+            if prompt_ids is not None:
+                c.prompt_ids = prompt_ids
+                if self.prompt_ids is None:
+                    self.prompt_ids = prompt_ids
+            ids = _get(choice, "token_ids")
+            if ids:
+                c.ids.extend(ids)
+            lp = _get(choice, "logprobs")
+            if lp is not None:
+                if self.operation == CHAT:
+                    c.logprobs.extend(_get(t, "logprob") for t in (_get(lp, "content") or ()))
+                else:
+                    c.logprobs.extend(_get(lp, "token_logprobs") or ())
+            reason = _get(choice, "finish_reason")
+            if reason:
+                c.finish_reason = reason
+
+    def status(self) -> str:
+        if not self.parsed:
+            return "unparsed_response"
+        if not self.choices or self.prompt_ids is None or any(not c.ids for c in self.choices.values()):
+            return "no_token_ids"
+        if any(c.prompt_ids is not None and c.prompt_ids != self.prompt_ids for c in self.choices.values()):
+            return "multiple_prompts"  # a batched completions request: one prompt per span only
+        if any(len(c.ids) != len(c.logprobs) for c in self.choices.values()):
+            return "logprobs_mismatch"
+        return "ok"
+
+    def attributes(self, model_version: int | None = None) -> dict:
+        """The ``lightspan.*`` attributes: ids and logprobs only when every choice has them."""
+        status = self.status()
+        if status != "ok":
+            return {semconv.CAPTURE_STATUS: status}
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        attrs = {
+            semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(self.prompt_ids),
+            semconv.COMPLETION_TOKEN_IDS: tuple(semconv.encode_ids(c.ids) for c in ordered),
+            semconv.COMPLETION_LOGPROBS: tuple(semconv.encode_floats(c.logprobs) for c in ordered),
+            semconv.CAPTURE_STATUS: "ok",
+        }
+        if model_version is not None:
+            attrs[semconv.MODEL_VERSION] = int(model_version)
+        return attrs
+
+    def genai_attributes(self) -> dict:
+        """The GenAI response attributes, for spans lightspan opened itself (no OpenAI instrumentation)."""
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        attrs = {}
+        if self.model:
+            attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(self.model)
+        if self.prompt_ids is not None:
+            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = len(self.prompt_ids)
+        if ordered and all(c.ids for c in ordered):
+            attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = sum(len(c.ids) for c in ordered)
+        reasons = tuple(c.finish_reason for c in ordered if c.finish_reason)
+        if reasons:
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = reasons
+        return attrs
+
+
+def attributes_from_response(resp, operation: str, model_version: int | None = None) -> dict:
+    """Span attributes from one non-streaming response carrying vLLM's extra fields."""
+    cap = Capture(operation)
+    cap.add(resp)
+    return cap.attributes(model_version)

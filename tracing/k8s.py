@@ -1,0 +1,87 @@
+"""One Kubernetes Job per rollout: ``deploy/k8s/rollout-job.yaml`` rendered for each task sample.
+
+The Jobs carry the environment ``lightspan rollout`` gives a local agent process
+(:func:`lightspan.tracing.runner.rollout_env`), so spans are grouped the same way. Usage::
+
+    python -m lightspan.tracing.k8s --tasks tasks.jsonl --samples 4 --image my-agent:1 \\
+        --openai-base-url http://vllm.rl:8000/v1 --otlp-endpoint http://lightspan.rl:4317 \\
+        -- python my_agent.py | kubectl apply -f -
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import string
+import sys
+import uuid
+from pathlib import Path
+
+from lightspan.config import ConfigError, add_arguments, cli_values, resolve
+from lightspan.tracing.runner import RolloutConfig, load_tasks, policy_version, rollout_env
+
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "rollout-job.yaml"
+
+
+def job_name(rollout_id: str) -> str:
+    """A DNS-1123 label (≤ 63 characters, a Job's pods carry it) that keeps the id's unique tail."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", rollout_id.lower()).strip("-") or "x"
+    name = "rollout-" + slug
+    if len(name) > 63:
+        name = "rollout-" + slug[-55:].lstrip("-")
+    return name
+
+
+def render_job(template: str, cfg: RolloutConfig, task: dict, *, image: str, command: list[str],
+               rollout_id: str | None = None, version: int | None = None, namespace: str = "default") -> str:
+    """One Job manifest (YAML text). Values go in JSON-encoded: JSON is valid YAML, so a task id or
+    a command with quotes, colons or newlines cannot change the manifest's structure."""
+    rollout_id = rollout_id or f"{task['id']}-{uuid.uuid4().hex[:12]}"
+    env = rollout_env(cfg, task, rollout_id, version)
+    values = {
+        "JOB_NAME": job_name(rollout_id), "NAMESPACE": namespace, "SPLIT": cfg.split,
+        "ROLLOUT_ID": rollout_id, "TASK_ID": task["id"], "RETRIES": cfg.retries,
+        "TIMEOUT_S": max(1, round(cfg.timeout_s)), "IMAGE": image,
+        "COMMAND": ["opentelemetry-instrument", *command],
+        "ENV": [{"name": k, "value": v} for k, v in env.items()],
+    }
+    try:
+        return string.Template(template).substitute({k: json.dumps(v) for k, v in values.items()})
+    except (KeyError, ValueError) as e:
+        names = ", ".join("${%s}" % k for k in values)
+        raise ConfigError("rollout", "template", f"unknown or malformed placeholder {e}",
+                          f"use only {names}; write a literal dollar sign as $$") from None
+
+
+def render_jobs(cfg: RolloutConfig, command: list[str], *, image: str, namespace: str = "default",
+                template_path: str | Path = DEFAULT_TEMPLATE) -> list[str]:
+    """One manifest per task sample, as ``lightspan rollout`` would run them."""
+    if not command:
+        raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
+    path = Path(template_path)
+    if not path.is_file():
+        raise ConfigError("rollout", "template", f"{path} not found", "pass --template deploy/k8s/rollout-job.yaml")
+    template, version = path.read_text(), policy_version(cfg.data_dir)
+    return [render_job(template, cfg, task, image=image, command=command, version=version, namespace=namespace)
+            for task in load_tasks(cfg.tasks) for _ in range(cfg.samples)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightspan.tracing.k8s", description=__doc__.splitlines()[0])
+    parser.add_argument("--image", required=True, help="container image with the agent and lightspan installed")
+    parser.add_argument("--namespace", default="default")
+    parser.add_argument("--template", default=str(DEFAULT_TEMPLATE))
+    parser.add_argument("--config", help="TOML file with a [rollout] table")
+    add_arguments(parser, RolloutConfig, "rollout")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the agent command")
+    args = parser.parse_args(argv)
+    cfg = resolve(RolloutConfig, section="rollout", file=args.config, cli=cli_values(args, RolloutConfig))
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    docs = render_jobs(cfg, command, image=args.image, namespace=args.namespace, template_path=args.template)
+    sys.stdout.write("---\n".join(docs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
