@@ -7,9 +7,10 @@ Run it as lightspan does, unchanged, under OpenTelemetry's zero-code instrumenta
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=x \\
     opentelemetry-instrument python examples/math_agent.py
 
-Reward: 1 when the last integer of the reply is the answer, plus 0.2 when the reply ends in the
-requested ``Answer: <number>`` form. The format bonus is small: at temperature 1.0 a format
-bonus was learned instead of the arithmetic (FACTS.md); at 0.7 it is a stepping stone.
+Reward: 1 when the last integer of the reply is the answer, plus 0.2 when that correct reply also
+ends in the requested ``Answer: <number>`` form. The format bonus is gated on correctness: an
+ungated one is learned instead of the arithmetic — SmolLM2 collapsed to "Answer: <wrong number>"
+within 4 GRPO steps in our demo, as it did at temperature 1.0 in FACTS.md.
 """
 
 import json
@@ -31,7 +32,7 @@ def score(reply: str, answer: int) -> float:
     numbers = re.findall(r"-?\d+", reply or "")
     correct = bool(numbers) and int(numbers[-1]) == int(answer)
     formatted = re.search(r"Answer:\s*-?\d+\s*\.?\s*$", (reply or "").strip()) is not None
-    return float(correct) + (0.2 if formatted else 0.0)
+    return (1.2 if formatted else 1.0) if correct else 0.0
 
 
 def main() -> None:

