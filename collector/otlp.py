@@ -152,6 +152,7 @@ _PROMOTED = [
     (LLM_REQUEST_TYPE, "operation_name", _str),
     (sc.GEN_AI_REQUEST_MODEL, "request_model", _str),
     (sc.GEN_AI_RESPONSE_MODEL, "response_model", _str),
+    (sc.GEN_AI_REQUEST_TEMPERATURE, "temperature", _float),
     (sc.GEN_AI_USAGE_INPUT_TOKENS, "input_tokens", _int),
     (sc.GEN_AI_USAGE_PROMPT_TOKENS, "input_tokens", _int),
     (sc.GEN_AI_USAGE_OUTPUT_TOKENS, "output_tokens", _int),

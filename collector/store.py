@@ -55,6 +55,7 @@ SPAN_SCHEMA = pa.schema([
     ("operation_name", pa.string()),
     ("request_model", pa.string()),
     ("response_model", pa.string()),
+    ("temperature", pa.float64()),           # gen_ai.request.temperature; null = the server's default
     ("input_tokens", pa.int64()),
     ("output_tokens", pa.int64()),
     ("finish_reasons", pa.list_(pa.string())),
@@ -98,6 +99,9 @@ TRANSITION_SCHEMA = pa.schema([
     ("advantage_estimator", pa.string()),
     ("build_id", pa.string()),
     ("created_unix_nano", pa.int64()),
+    # per-rollout output: 1 where the model sampled the completion token, 0 where it did not
+    # (tool output, user turn, template tokens); null = all ones (one call per transition)
+    ("completion_mask", pa.list_(pa.int8())),
 ])
 
 TRAIN_STEP_SCHEMA = pa.schema([
@@ -158,8 +162,10 @@ _VIEWS = {
     "llm_calls": """
         SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
         FROM spans
-        WHERE prompt_token_ids IS NOT NULL
-           OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content')""",
+        WHERE (prompt_token_ids IS NOT NULL
+               OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content'))
+          -- an enclosing span of a second instrumentation: the inner span carries the call
+          AND capture_status IS DISTINCT FROM 'duplicate'""",
     "rewards": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
                trace_id, span_id, coalesce(reward_name, 'reward') AS reward_name, reward,
@@ -200,20 +206,31 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     con = duckdb.connect(database)
     for table, schema in _TABLES.items():
         glob = _glob(root, table)
-        if glob is None:
-            con.register(f"_{table}_empty", schema.empty_table())
-            source = f"SELECT * FROM _{table}_empty"
-        else:
+        con.register(f"_{table}_empty", schema.empty_table())
+        source = f"SELECT * FROM _{table}_empty"
+        if glob is not None:
             hive = "true" if table in PARTITIONED else "false"
             source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning={hive}, union_by_name=true)"
             if table in PARTITIONED:
                 source = f"SELECT * EXCLUDE (date) FROM ({source})"
+            source = _with_all_columns(con, table, source)
         if table in PARTITIONED:
             source += f" QUALIFY {dedup_clause(table)}"
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
     for name, sql in _VIEWS.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
     return con
+
+
+def _with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
+    """``source`` plus a typed NULL for each schema column its files predate (a column added later)."""
+    have = {row[0] for row in con.execute(f"DESCRIBE {source}").fetchall()}
+    missing = [(name, kind) for name, kind, *_ in con.execute(f"DESCRIBE _{table}_empty").fetchall()
+               if name not in have]
+    if not missing:
+        return source
+    nulls = ", ".join(f'NULL::{kind} AS "{name}"' for name, kind in missing)
+    return f"SELECT *, {nulls} FROM ({source})"
 
 
 def dedup_clause(table: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from lightspan.config import ConfigError, option
 
@@ -16,6 +17,22 @@ from .advantages import ESTIMATORS
 from .credit import POLICIES
 
 SECTION = "transitions"
+OUTPUTS = ("per_call", "per_rollout")
+
+
+def parse_time(value: str) -> int | None:
+    """Unix nanoseconds from ``value``: '' (no bound), an integer (unix ns) or an ISO 8601
+    timestamp (``2026-11-30T12:00:00Z``; without a zone it is UTC)."""
+    text = str(value).strip()
+    if not text:
+        return None
+    if text.lstrip("-").isdigit():
+        return int(text)
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    delta = moment - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return (delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,39 @@ class TransitionsConfig:
         "once its last span ended more than this many seconds ago.")
     epsilon: float = option(
         1e-6, "Floor added to the group std by the 'grpo' estimator.")
+    output: str = option(
+        "per_call",
+        "'per_call': one transition per LLM call (each call a single-turn sample, as LightningRL "
+        "trains). 'per_rollout': one sequence per rollout and agent, merging call k+1 into call k's "
+        "sequence when its prompt starts with call k's prompt + completion; the tokens the model "
+        "did not produce (tool outputs, user turns, template tokens) get completion_mask 0. A prompt "
+        "that does not extend the sequence starts a new one and is counted by kind "
+        "(transitions/prefix_mismatch/<chat_template|retokenization|other>). A sequence's advantage "
+        "is its first call's: the rollout's under 'identical', the return-to-go from the sequence's "
+        "start under 'discounted'.",
+        choices=OUTPUTS)
+    since: str = option(
+        "", "Only rollouts that started at or after this time: ISO 8601 (UTC unless it names a "
+        "zone) or unix nanoseconds; empty: no bound. Others: transitions/dropped_rollouts/time_window.")
+    until: str = option(
+        "", "Only rollouts that started before this time (same format as since); empty: no bound.")
+    min_model_version: int | None = option(
+        None, "Only rollouts whose every trainable call was served by a policy version >= this "
+        "(a call without lightspan.model.version is outside any bound). Others: "
+        "transitions/dropped_rollouts/model_version.")
+    max_model_version: int | None = option(
+        None, "Only rollouts whose every trainable call was served by a policy version <= this.")
+    drop_truncated: bool = option(
+        False, "Leave out calls that stopped at the length limit (finish reason 'length' or "
+        "'max_tokens'): counted in transitions/dropped_calls/truncated; a rollout left without a "
+        "trainable call is dropped as 'truncated'. Either way transitions/truncated_calls counts them.")
+    incremental: bool = option(
+        True, "Keep a watermark in data_dir/lightningrl/state.json so a build reads only the rollouts "
+        "with spans received since the last build (plus the still incomplete or too small ones). "
+        "false: read every span each build. Either way a rollout is never emitted twice.")
+    watermark_lag_s: float = option(
+        300.0, "Spans received within this many seconds before a build are read again by the next "
+        "one, so spans still on their way from the collector's queue to Parquet are not missed.")
 
     def __post_init__(self):
         def bad(name: str, problem: str, fix: str):
@@ -79,3 +129,35 @@ class TransitionsConfig:
         if not (isinstance(self.epsilon, (int, float)) and math.isfinite(self.epsilon) and self.epsilon > 0):
             bad("epsilon", f"{self.epsilon!r} is not > 0",
                 "give a small positive std floor, e.g. 1e-6")
+        if self.output not in OUTPUTS:
+            bad("output", f"unknown output mode {self.output!r}", f"use one of: {', '.join(OUTPUTS)}")
+        for name in ("since", "until"):
+            try:
+                parse_time(getattr(self, name))
+            except (TypeError, ValueError):
+                bad(name, f"{getattr(self, name)!r} is not a time",
+                    "give an ISO 8601 timestamp such as 2026-11-30T12:00:00Z, unix nanoseconds, or ''")
+        if self.since_unix_nano is not None and self.until_unix_nano is not None \
+                and self.since_unix_nano >= self.until_unix_nano:
+            bad("until", f"{self.until!r} is not after since={self.since!r}",
+                "give an until later than since, or leave one of them empty")
+        for name in ("min_model_version", "max_model_version"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)):
+                bad(name, f"{value!r} is not an integer", "give a policy version number, or leave it unset")
+        if self.min_model_version is not None and self.max_model_version is not None \
+                and self.min_model_version > self.max_model_version:
+            bad("max_model_version", f"{self.max_model_version} is below min_model_version={self.min_model_version}",
+                "give max_model_version >= min_model_version")
+        if not (isinstance(self.watermark_lag_s, (int, float)) and math.isfinite(self.watermark_lag_s)
+                and self.watermark_lag_s >= 0):
+            bad("watermark_lag_s", f"{self.watermark_lag_s!r} is not a finite number of seconds >= 0",
+                "give the seconds spans may take from the collector to Parquet, e.g. 300")
+
+    @property
+    def since_unix_nano(self) -> int | None:
+        return parse_time(self.since)
+
+    @property
+    def until_unix_nano(self) -> int | None:
+        return parse_time(self.until)

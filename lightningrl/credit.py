@@ -2,7 +2,9 @@
 
 A rollout is one episode; its LLM calls, ordered by start time, are the actions a_0 … a_{T-1}.
 Each policy is a pure function ``policy(call_rewards, final_reward, gamma) -> credit`` with one
-credit value per call, and ``POLICIES`` is the closed set the config accepts.
+credit value per call, and ``POLICIES`` is the closed set the config accepts. Given
+``rollout_index`` (each call's rollout), the same function credits many rollouts at once: the
+builder calls it once per build, not once per rollout.
 
 - ``identical`` — LightningRL as published: Luo et al. 2025, "Agent Lightning: Train ANY AI
   Agents with Reinforcement Learning", arXiv 2508.03680 (the LightningRL algorithm): every
@@ -31,36 +33,79 @@ from __future__ import annotations
 import numpy as np
 
 
-def rewards_per_call(call_end: np.ndarray, reward_time: np.ndarray, reward_value: np.ndarray) -> np.ndarray:
+def rewards_per_call(call_end: np.ndarray, reward_time: np.ndarray, reward_value: np.ndarray, *,
+                     call_rollout: np.ndarray | None = None,
+                     reward_rollout: np.ndarray | None = None) -> np.ndarray:
     """r_t: the sum of the rewards attributed to call t.
 
     A reward at time τ goes to the call with the latest end time ≤ τ (on equal end times, the
     call later in the rollout); a reward before every call's end goes to call 0, the first
     call in rollout order (even when a later, shorter call ended first).
     ``call_end`` is in call order; rewards may come in any order. Returns float64, len(call_end).
+
+    Many rollouts at once: ``call_rollout`` (ascending; calls of one rollout contiguous, in
+    call order) and ``reward_rollout`` give each call's and reward's rollout, and a reward only
+    goes to a call of its own rollout. Every rollout with a reward must have a call.
     """
     call_end = np.asarray(call_end, dtype=np.int64)
+    reward_time = np.asarray(reward_time, dtype=np.int64)
     n = len(call_end)
     if n == 0:
         return np.zeros(0)
-    by_end = np.lexsort((np.arange(n), call_end))  # calls sorted by (end time, position)
-    pos = np.searchsorted(call_end[by_end], np.asarray(reward_time, dtype=np.int64), side="right") - 1
-    target = np.where(pos >= 0, by_end[np.maximum(pos, 0)], 0)  # before every end: call 0
+    if call_rollout is None:
+        call_rollout = np.zeros(n, dtype=np.int64)
+        reward_rollout = np.zeros(len(reward_time), dtype=np.int64)
+    call_rollout = np.asarray(call_rollout, dtype=np.int64)
+    reward_rollout = np.asarray(reward_rollout, dtype=np.int64)
+    # one sortable int64 key per (rollout, time): rollout in the high bits, the time's rank below
+    times, rank = np.unique(np.concatenate([call_end, reward_time]), return_inverse=True)
+    shift = max(int(len(times)).bit_length(), 1)
+    key = np.concatenate([call_rollout, reward_rollout]) << shift | rank.reshape(-1)
+    call_key, reward_key = key[:n], key[n:]
+    by_end = np.lexsort((np.arange(n), call_key))       # calls sorted by (rollout, end, position)
+    pos = np.searchsorted(call_key[by_end], reward_key, side="right") - 1
+    found = by_end[np.maximum(pos, 0)]
+    own = (pos >= 0) & (call_rollout[found] == reward_rollout)
+    first = np.searchsorted(call_rollout, reward_rollout, side="left")   # call 0 of each reward's rollout
+    target = np.where(own, found, first)
     return np.bincount(target, weights=np.asarray(reward_value, dtype=np.float64), minlength=n)
 
 
-def identical(call_rewards: np.ndarray, final_reward: float, gamma: float) -> np.ndarray:
-    """LightningRL (Luo et al. 2025): credit_t = R_final for every call t."""
-    return np.full(len(call_rewards), float(final_reward))
+def identical(call_rewards: np.ndarray, final_reward, gamma: float, *,
+              rollout_index: np.ndarray | None = None) -> np.ndarray:
+    """LightningRL (Luo et al. 2025): credit_t = R_final for every call t.
+
+    Many rollouts at once: ``final_reward`` has one value per rollout and ``rollout_index``
+    gives each call's rollout.
+    """
+    if rollout_index is None:
+        return np.full(len(call_rewards), float(final_reward))
+    return np.asarray(final_reward, dtype=np.float64)[np.asarray(rollout_index, dtype=np.int64)]
 
 
-def discounted(call_rewards: np.ndarray, final_reward: float, gamma: float) -> np.ndarray:
-    """Return-to-go (Sutton & Barto eq. 3.9): G_t = r_t + γ G_{t+1}, G_T = 0."""
+def discounted(call_rewards: np.ndarray, final_reward, gamma: float, *,
+               rollout_index: np.ndarray | None = None) -> np.ndarray:
+    """Return-to-go (Sutton & Barto eq. 3.9): G_t = r_t + γ G_{t+1}, G_T = 0.
+
+    Many rollouts at once: ``rollout_index`` (ascending, calls of one rollout contiguous, in
+    call order) gives each call's rollout; G_T = 0 at the end of every rollout.
+    """
     r = np.asarray(call_rewards, dtype=np.float64)
-    G = np.zeros_like(r)
-    g_next = 0.0
-    for t in range(len(r) - 1, -1, -1):
-        g_next = G[t] = r[t] + gamma * g_next
+    n = len(r)
+    G = r.copy()
+    if n == 0:
+        return G
+    idx = np.zeros(n, dtype=np.int64) if rollout_index is None else np.asarray(rollout_index, dtype=np.int64)
+    # steps to the end of the rollout: 0 for its last call. The recursion runs one step for all
+    # rollouts at once, from the last calls backwards: as many steps as the longest rollout.
+    last = np.flatnonzero(np.append(idx[1:] != idx[:-1], True))
+    ends = np.repeat(last, np.diff(np.concatenate([[-1], last])))
+    to_end = ends - np.arange(n)
+    order = np.argsort(to_end, kind="stable")
+    bounds = np.searchsorted(to_end[order], np.arange(to_end.max() + 2))
+    for k in range(1, len(bounds) - 1):
+        t = order[bounds[k]:bounds[k + 1]]
+        G[t] = r[t] + gamma * G[t + 1]
     return G
 
 

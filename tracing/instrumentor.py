@@ -137,16 +137,27 @@ def _prepare(instance, args, kwargs):
 
 def _target(op: str, kwargs):
     """(span to record on, whether we opened it): the current LLM span, or a new GenAI span."""
+    body = kwargs.get("body") or {}
     current = trace.get_current_span()
     if is_llm_span(current):
         _mark_enclosing(current)
+        _sampling(current, body)
         return current, False
-    model = (kwargs.get("body") or {}).get("model", "")
+    model = body.get("model", "")
     span = trace.get_tracer(_TRACER_NAME, tracer_provider=_tracer_provider).start_span(
         f"{op} {model}".strip(), kind=trace.SpanKind.CLIENT,
         attributes={semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model})
     _mark_enclosing(span)  # an LLM span further up (under a framework's own span) describes this call too
+    _sampling(span, body)
     return span, True
+
+
+def _sampling(span, body: dict) -> None:
+    """The request's temperature: vLLM's processed logprobs are those of the tempered distribution,
+    so the trainer must temper its logits the same way to compare with them."""
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and span.is_recording():
+        span.set_attribute(semconv.GEN_AI_REQUEST_TEMPERATURE, float(temperature))
 
 
 def _record(span, cap: Capture, owned: bool) -> None:

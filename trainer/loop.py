@@ -87,13 +87,18 @@ class Batch:
 class MicroBatch:
     input_ids: torch.Tensor           # (B, P + C): prompts left-padded, completions right-padded
     attention_mask: torch.Tensor      # (B, P + C)
-    completion_mask: torch.Tensor     # (B, C)
+    completion_mask: torch.Tensor     # (B, C): 1 on the tokens the loss trains
     behaviour_logprobs: torch.Tensor  # (B, C): vLLM's logprobs at sampling time
     advantages: torch.Tensor          # (B,)
 
 
 def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
-    """Left-pad the prompts and right-pad the completions, so completions end the sequence."""
+    """Left-pad the prompts and right-pad the completions, so completions end the sequence.
+
+    A row's ``completion_mask`` (per-rollout transitions) is 0 on completion tokens the model did
+    not sample (tool output, user turns): they stay in the attention, out of the loss. Without
+    one (null) every completion token is trained.
+    """
     from trl.trainer.utils import pad
 
     def ints(key):
@@ -101,9 +106,11 @@ def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -
 
     prompts, completions = ints("prompt_token_ids"), ints("completion_token_ids")
     ones = lambda ts: [torch.ones_like(t) for t in ts]  # noqa: E731
+    trained = [torch.tensor(r["completion_mask"], dtype=torch.long) if r.get("completion_mask") is not None
+               else torch.ones_like(c) for r, c in zip(rows, completions)]
     input_ids = torch.cat([pad(prompts, pad_id, "left"), pad(completions, pad_id, "right")], dim=1)
-    completion_mask = pad(ones(completions), 0, "right")
-    attention_mask = torch.cat([pad(ones(prompts), 0, "left"), completion_mask], dim=1)
+    completion_mask = pad(trained, 0, "right")
+    attention_mask = torch.cat([pad(ones(prompts), 0, "left"), pad(ones(completions), 0, "right")], dim=1)
     behaviour = pad([torch.tensor(r["completion_logprobs"], dtype=torch.float32) for r in rows], 0.0, "right")
     advantages = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
     return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, completion_mask, behaviour, advantages)))
@@ -122,6 +129,7 @@ SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
                 AND list_min(prompt_token_ids) >= 0 AND list_max(prompt_token_ids) < $vocab
                 AND list_min(completion_token_ids) >= 0 AND list_max(completion_token_ids) < $vocab
                 AND len(prompt_token_ids) + len(completion_token_ids) <= $max_len
+                AND (completion_mask IS NULL OR len(completion_mask) = len(completion_token_ids))
                 AND isfinite(coalesce(advantage, 0)), false) AS wellformed,
        coalesce(advantage, 0) <> 0 AS nonzero
 FROM transitions
@@ -246,7 +254,8 @@ class Trainer:
             # the range filter lets DuckDB skip row groups by their min/max statistics
             cur = con.execute("""
                 SELECT t.transition_id, t.rollout_id, t.task_id, t.prompt_token_ids, t.completion_token_ids,
-                       t.completion_logprobs, t.model_version, t.reward, t.advantage, t.created_unix_nano
+                       t.completion_logprobs, t.completion_mask, t.model_version, t.reward, t.advantage,
+                       t.created_unix_nano
                 FROM transitions t JOIN chosen c USING (created_unix_nano, transition_id)
                 WHERE t.created_unix_nano BETWEEN $first AND $last
                 ORDER BY t.created_unix_nano, t.transition_id""",
@@ -271,7 +280,9 @@ class Trainer:
         micro = [collate(batch.rows[i:i + cfg.micro_batch_size], pad_id, device)
                  for i in range(0, len(batch.rows), cfg.micro_batch_size)]
         lengths = [len(r["completion_token_ids"]) for r in batch.rows]
-        totals = BatchTotals(len(batch.rows), sum(lengths), max(lengths))
+        trained = [n if r.get("completion_mask") is None else sum(r["completion_mask"])
+                   for r, n in zip(batch.rows, lengths)]
+        totals = BatchTotals(len(batch.rows), sum(trained), max(lengths))
 
         # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
         old = [None] * len(micro)

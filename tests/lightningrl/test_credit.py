@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightspan.lightningrl import credit
 from lightspan.lightningrl.credit import POLICIES, discounted, identical, rewards_per_call
@@ -80,3 +82,40 @@ def test_policies_are_pure(policy):
     before = r.copy()
     POLICIES[policy](r, 0.2, 0.9)
     np.testing.assert_array_equal(r, before)
+
+
+# --- many rollouts at once equal one rollout at a time ----------------------------------------
+
+rollouts_st = st.lists(st.tuples(
+    st.lists(st.integers(0, 60), min_size=1, max_size=5),                                  # call end times
+    st.lists(st.tuples(st.integers(0, 80), st.sampled_from([0.0, 0.5, 1.0, -2.0])), max_size=4)),  # rewards
+    min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rollouts=rollouts_st, gamma=st.sampled_from([1.0, 0.9, 0.5]))
+def test_batched_credit_equals_one_rollout_at_a_time(rollouts, gamma):
+    ends, call_rollout, times, values, reward_rollout, final = [], [], [], [], [], []
+    expect_r, expect = [], {name: [] for name in POLICIES}
+    for i, (call_end, rewards) in enumerate(rollouts):
+        t = np.array([x for x, _ in rewards], dtype=np.int64)
+        v = np.array([y for _, y in rewards], dtype=np.float64)
+        r = rewards_per_call(np.array(call_end), t, v)
+        f = v[np.argmax(t)] if len(v) else 0.0
+        expect_r.append(r)
+        for name, policy in POLICIES.items():
+            expect[name].append(policy(r, f, gamma))
+        ends += call_end
+        call_rollout += [i] * len(call_end)
+        order = np.argsort(t, kind="stable")       # rewards in any order across rollouts
+        times += t[order].tolist()
+        values += v[order].tolist()
+        reward_rollout += [i] * len(t)
+        final.append(f)
+    perm = np.random.default_rng(len(ends)).permutation(len(times))
+    r = rewards_per_call(np.array(ends), np.array(times, dtype=np.int64)[perm], np.array(values)[perm],
+                         call_rollout=np.array(call_rollout), reward_rollout=np.array(reward_rollout)[perm])
+    np.testing.assert_allclose(r, np.concatenate(expect_r), atol=1e-12)
+    for name, policy in POLICIES.items():
+        got = policy(r, np.array(final), gamma, rollout_index=np.array(call_rollout))
+        np.testing.assert_allclose(got, np.concatenate(expect[name]), atol=1e-12)

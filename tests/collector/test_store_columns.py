@@ -1,0 +1,18 @@
+"""The views keep every schema column even over files written before a column existed."""
+
+import pyarrow as pa
+
+from lightspan.collector import store
+
+
+def test_files_that_predate_a_column_read_it_as_null(tmp_path):
+    old = store.TRANSITION_SCHEMA.remove(store.TRANSITION_SCHEMA.get_field_index("advantage"))
+    row = {name: None for name in old.names}
+    row.update(transition_id="r1/s1", rollout_id="r1", created_unix_nano=1)
+    (tmp_path / "transitions").mkdir()
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([row], schema=old), tmp_path / "transitions" / "part-old.parquet")
+    con = store.connect(tmp_path)
+    cols = [r[0] for r in con.execute("DESCRIBE transitions").fetchall()]
+    assert set(store.TRANSITION_SCHEMA.names) <= set(cols)
+    assert con.execute("SELECT transition_id, advantage FROM transitions").fetchall() == [("r1/s1", None)]
