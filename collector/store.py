@@ -92,6 +92,7 @@ TRANSITION_SCHEMA = pa.schema([
     ("completion_token_ids", pa.list_(pa.int32())),
     ("completion_logprobs", pa.list_(pa.float32())),
     ("model_version", pa.int64()),
+    ("temperature", pa.float64()),           # sampling temperature of the (first) call; null = 1
     ("reward", pa.float64()),                # the rollout's reward
     ("credit", pa.float64()),                # the reward this call received (credit policy)
     ("advantage", pa.float64()),
@@ -213,7 +214,7 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
             source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning={hive}, union_by_name=true)"
             if table in PARTITIONED:
                 source = f"SELECT * EXCLUDE (date) FROM ({source})"
-            source = _with_all_columns(con, table, source)
+            source = with_all_columns(con, table, source)
         if table in PARTITIONED:
             source += f" QUALIFY {dedup_clause(table)}"
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
@@ -222,8 +223,9 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     return con
 
 
-def _with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
-    """``source`` plus a typed NULL for each schema column its files predate (a column added later)."""
+def with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
+    """``source`` (a query over ``table``'s files) plus a typed NULL for each schema column the
+    files predate: a column added later reads as null in older stores."""
     have = {row[0] for row in con.execute(f"DESCRIBE {source}").fetchall()}
     missing = [(name, kind) for name, kind, *_ in con.execute(f"DESCRIBE _{table}_empty").fetchall()
                if name not in have]

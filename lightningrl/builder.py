@@ -144,7 +144,7 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
        s.task_id, s.split, s.start_time_unix_nano AS start_ns,
        coalesce(s.end_time_unix_nano, s.start_time_unix_nano) AS end_ns,
        s.operation_name, s.capture_status, s.agent_name, s.finish_reasons[1] AS finish_reason,
-       s.reward, s.model_version, s.received_unix_nano,
+       s.reward, s.model_version, s.temperature, s.received_unix_nano,
        CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome
 FROM {source} s JOIN _lrl_files f ON f.filename = s.filename
 {where}
@@ -214,7 +214,7 @@ _CALLS_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_calls AS
 WITH c AS (
     SELECT s.rollout_key, s.trace_id, s.span_id, s.parent_span_id, s.agent_name,
-           coalesce(s.agent_name, '') AS agent_key, s.start_ns, s.end_ns, s.model_version,
+           coalesce(s.agent_name, '') AS agent_key, s.start_ns, s.end_ns, s.model_version, s.temperature,
            coalesce(list_contains($truncated::VARCHAR[], s.finish_reason), false) AS truncated, t.hpos,
            s.capture_status IS NOT DISTINCT FROM 'duplicate' AS marked_duplicate,
            coalesce(t.plen > 0 AND t.clen > 0 AND t.llen = t.clen, false) AS has_tokens
@@ -286,7 +286,7 @@ FROM _lrl_final WHERE reason IS NULL
 
 _FETCH_CALLS_SQL = """
 SELECT k.ridx, c.rollout_key || '/' || c.span_id AS transition_id, c.rollout_key, k.task_id, k.split,
-       c.agent_name, c.agent_key, c.end_ns, c.model_version, c.hpos,
+       c.agent_name, c.agent_key, c.end_ns, c.model_version, c.temperature, c.hpos,
        c.has_tokens AND NOT (c.truncated AND $drop_truncated) AS emit
 FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
 WHERE NOT c.duplicate AND list_contains($agents::VARCHAR[], c.agent_key)
@@ -402,6 +402,7 @@ def _read(con, config: TransitionsConfig, since: Watermark, now: int, files: lis
         return found
     source = (f"read_parquet({_sql_list(files)}, filename=true, file_row_number=true, "
               f"union_by_name=true, hive_partitioning=false)")
+    source = f"({store.with_all_columns(con, 'spans', f'SELECT * FROM {source}')})"
     con.register("_lrl_files", pa.table({"filename": files, "fidx": np.arange(len(files))}))
     reader = Reader(files)
     try:
@@ -527,6 +528,7 @@ def _assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens
         "completion_token_ids": completion,
         "completion_logprobs": logprobs,
         "model_version": pa.array(seq_version, pa.float64(), from_pandas=True).cast(pa.int64()),
+        "temperature": out.column("temperature"),
         "reward": pa.array(final[seq_ridx], pa.float64()),
         "credit": pa.array(credit[rows[first]], pa.float64()),
         "advantage": pa.array(advantage[rows[first]], pa.float64()),

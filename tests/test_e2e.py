@@ -71,7 +71,7 @@ def test_walking_skeleton(collector, vllm_server, tiny_model, tmp_path):
     ReloadSync(vllm_server.url).push(str(tiny_model), 0)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"say something #{i}", "max_tokens": 16,
-                                         "temperature": 1.0}) + "\n" for i in range(TASKS)))
+                                         "temperature": 0.8}) + "\n" for i in range(TASKS)))
     rollout = ["rollout", "--tasks", str(tasks), "--samples", str(SAMPLES), "--concurrency", "4",
                "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}",
                "--openai-base-url", f"{vllm_server.url}/v1", "--data-dir", str(data)]
@@ -104,6 +104,11 @@ def test_walking_skeleton(collector, vllm_server, tiny_model, tmp_path):
                   "--sync", "reload", "--seed", "0")
         policy = json.loads((data / "policy.json").read_text())
         assert policy["version"] == step + 1
+        # the trainer tempered its logits as vLLM did (T = 0.8): its logprobs of the sampled tokens
+        # are vLLM's recorded ones, so the importance weights are 1
+        is_ratio = store.connect(data).execute(
+            "SELECT is_ratio_mean FROM train_steps WHERE policy_version = ?", [step + 1]).fetchone()[0]
+        assert abs(is_ratio - 1.0) < 1e-3, is_ratio
         # after the sync vLLM serves exactly the trainer's new weights
         served = prompt_logprobs(vllm_server.url, "policy", probe)
         expected = token_logprobs(Path(policy["path"]), probe)

@@ -90,6 +90,7 @@ class MicroBatch:
     completion_mask: torch.Tensor     # (B, C): 1 on the tokens the loss trains
     behaviour_logprobs: torch.Tensor  # (B, C): vLLM's logprobs at sampling time
     advantages: torch.Tensor          # (B,)
+    temperatures: torch.Tensor        # (B,): the sampling temperature vLLM's logprobs were taken at
 
 
 def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
@@ -113,7 +114,11 @@ def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -
     attention_mask = torch.cat([pad(ones(prompts), 0, "left"), pad(ones(completions), 0, "right")], dim=1)
     behaviour = pad([torch.tensor(r["completion_logprobs"], dtype=torch.float32) for r in rows], 0.0, "right")
     advantages = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
-    return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, completion_mask, behaviour, advantages)))
+    # vLLM's processed logprobs are of the tempered distribution softmax(z / T); no temperature
+    # recorded, or greedy (0), means the untempered one
+    temperatures = torch.tensor([float(r.get("temperature") or 1.0) for r in rows], dtype=torch.float32)
+    return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, completion_mask, behaviour, advantages,
+                                                temperatures)))
 
 
 # The new transitions after the cursor, classified once. Only light columns: the token lists
@@ -254,7 +259,7 @@ class Trainer:
             # the range filter lets DuckDB skip row groups by their min/max statistics
             cur = con.execute("""
                 SELECT t.transition_id, t.rollout_id, t.task_id, t.prompt_token_ids, t.completion_token_ids,
-                       t.completion_logprobs, t.completion_mask, t.model_version, t.reward, t.advantage,
+                       t.completion_logprobs, t.completion_mask, t.model_version, t.temperature, t.reward, t.advantage,
                        t.created_unix_nano
                 FROM transitions t JOIN chosen c USING (created_unix_nano, transition_id)
                 WHERE t.created_unix_nano BETWEEN $first AND $last
@@ -290,15 +295,17 @@ class Trainer:
         with torch.no_grad():
             for i, mb in enumerate(micro):
                 if cfg.num_iterations > 1:
-                    old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)[0]
+                    old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)[0]
                 if self.ref_model is not None:
-                    ref[i] = token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask)[0]
+                    ref[i] = token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                            mb.temperatures)[0]
 
         sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
         loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
         for _ in range(cfg.num_iterations):
             for i, mb in enumerate(micro):
-                logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)
+                logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                                   mb.temperatures)
                 loss, m = policy_loss(
                     logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
                     loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,

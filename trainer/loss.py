@@ -34,6 +34,9 @@ Deviations from the papers:
 5. The clip range is the same for every loss type; epsilon_high = epsilon gives GRPO's
    symmetric clip.
 6. The KL reference is the initial model, fixed for the whole run.
+7. The policy optimised is the one that sampled: logits divided by the call's sampling
+   temperature, as TRL does. vLLM's processed logprobs also reflect top-k/top-p and penalties,
+   which are not reproduced: keep them off in RL rollouts (FACTS.md).
 """
 
 from __future__ import annotations
@@ -60,8 +63,13 @@ class BatchTotals(NamedTuple):
         return cls(int(completion_mask.size(0)), int(lengths.sum()), int(lengths.max()) if lengths.numel() else 0)
 
 
-def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor]:
+def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                   temperatures: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """log pi(o_t | q, o_<t) and the entropy of pi(. | q, o_<t) at each completion token.
+
+    ``temperatures`` (B,), when given, tempers each sequence's logits (z / T) first: the policy
+    that sampled, and whose logprobs vLLM recorded (``--logprobs-mode processed_logprobs``), is
+    the tempered one (deviation 7).
 
     ``input_ids`` (B, L) is prompt then completion, prompts left-padded and completions
     right-padded, so the completions fill the last C = ``completion_mask.size(1)`` positions.
@@ -73,6 +81,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=c + 1).logits
     logits = logits[:, :-1, :]                 # (B, C, V): position t-1 predicts token t
+    if temperatures is not None:
+        logits = logits / temperatures.to(logits.dtype).view(-1, 1, 1)
     targets = input_ids[:, -c:]                # (B, C)
     mask = completion_mask.to(logits.dtype)
     logprobs = selective_log_softmax(logits, targets) * mask

@@ -128,3 +128,27 @@ def test_token_logprobs_with_padding_match_one_sequence_at_a_time(tiny_model):
                 h = -(logits[pos - 1].exp() * logits[pos - 1]).sum()
                 assert entropy[i, j].item() == pytest.approx(h.item(), abs=1e-5)
     assert logprobs[0, 2:].abs().sum() == 0 and entropy[0, 2:].abs().sum() == 0
+
+
+def test_token_logprobs_are_those_of_the_tempered_policy():
+    """vLLM's processed logprobs are log softmax(z / T): the trainer must temper the same way."""
+    import torch
+
+    from lightspan.trainer.loss import token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+            return type("Out", (), {"logits": logits[:, -logits_to_keep:]})()
+
+    ids = torch.randint(0, 7, (2, 5))
+    mask = torch.ones(2, 3, dtype=torch.long)
+    temps = torch.tensor([0.5, 1.0])
+    got, _ = token_logprobs(Fixed(), ids, torch.ones_like(ids), mask, temps)
+    for b, t in enumerate(temps):
+        expected = torch.log_softmax(logits[b, 1:4] / t, -1).gather(-1, ids[b, 2:5, None])[:, 0]
+        assert torch.allclose(got[b], expected, atol=1e-6)
+    untempered, _ = token_logprobs(Fixed(), ids, torch.ones_like(ids), mask)
+    assert not torch.allclose(got[0], untempered[0])
