@@ -16,15 +16,20 @@ Layout of a data directory::
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 DEFAULT_DATA_DIR = "./lightspan-data"
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def data_dir(path: str | os.PathLike | None = None) -> Path:
@@ -233,6 +238,22 @@ def with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) ->
         return source
     nulls = ", ".join(f'NULL::{kind} AS "{name}"' for name, kind in missing)
     return f"SELECT *, {nulls} FROM ({source})"
+
+
+def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
+    """``fn()``, run again when a Parquet file it globbed vanished before it was read.
+
+    Readers never lock: the collector's compaction and retention remove files that a reader's
+    glob may have listed a moment before. A read is cheap to repeat and sees the new files then.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except duckdb.IOException as exc:
+            if attempt == attempts or "No such file" not in str(exc):
+                raise
+            log.info("a Parquet file vanished under a read (compaction); reading again (%d/%d)", attempt, attempts)
+    raise AssertionError("unreachable")
 
 
 def dedup_clause(table: str) -> str:

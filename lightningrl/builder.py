@@ -606,12 +606,16 @@ def _sql_list(paths: list[str]) -> str:
 def run(config: TransitionsConfig, *, now_unix_nano: int | None = None) -> dict:
     """One build over ``config.data_dir``: write the new transitions (if any), then (incremental)
     the watermark, and return the metrics. A crash in between costs a re-read, never a duplicate."""
-    con = store.connect(config.data_dir)
-    try:
-        since = wm.load(config) if config.incremental else Watermark()
-        table, metrics, next_mark = build_incremental(con, config, since, now_unix_nano=now_unix_nano)
-    finally:
-        con.close()
+    since = wm.load(config) if config.incremental else Watermark()
+
+    def build():
+        con = store.connect(config.data_dir)
+        try:
+            return build_incremental(con, config, since, now_unix_nano=now_unix_nano)
+        finally:
+            con.close()
+
+    table, metrics, next_mark = store.retry_vanished(build)
     if table.num_rows:
         path = store.write_table(config.data_dir, "transitions", table)
         log.info("wrote %d transitions (%d calls) of %d rollouts in %d groups to %s (reward mean %.4f)",

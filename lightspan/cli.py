@@ -65,12 +65,18 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def _sql(args) -> int:
+    import duckdb
+
     from lightspan.collector import store
 
-    con = store.connect(args.data_dir)
-    rel = con.sql(args.query)
+    def query():
+        rel = store.connect(args.data_dir).sql(args.query)
+        return rel, (rel.fetch_arrow_table() if rel is not None else None)
+
+    rel, table = store.retry_vanished(query)  # read once, with every file it globbed still there
     if rel is None:
         return 0
+    rel = duckdb.from_arrow(table)
     if args.format == "table":
         rel.show(max_rows=200, max_width=200)
     elif args.format == "csv":

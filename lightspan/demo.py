@@ -141,11 +141,10 @@ def _policy_version(data_dir: Path) -> int:
 def _val_reward(data_dir: Path, version: int) -> tuple[float, float, int]:
     from lightspan.collector import store
 
-    con = store.connect(data_dir)
-    row = con.execute("""
+    row = store.retry_vanished(lambda: store.connect(data_dir).execute("""
         SELECT avg(final_reward), avg(CASE WHEN final_reward >= 1 THEN 1.0 ELSE 0.0 END), count(*)
         FROM rollouts WHERE split = 'val' AND coalesce(model_version, 0) = ? AND task_id IS NOT NULL
-          AND final_reward IS NOT NULL""", [version]).fetchone()
+          AND final_reward IS NOT NULL""", [version]).fetchone())
     return float(row[0] or 0.0), float(row[1] or 0.0), int(row[2])
 
 
@@ -233,9 +232,9 @@ def _wait_version(data: Path, version: int, timeout_s: float, trainer: subproces
 def _trainer_stats(data: Path) -> dict:
     from lightspan.collector import store
 
-    row = store.connect(data).execute("""
+    row = store.retry_vanished(lambda: store.connect(data).execute("""
         SELECT count(*), sum(step_seconds), sum(sync_seconds), max(sync_max_abs_logprob_diff)
-        FROM train_steps""").fetchone()
+        FROM train_steps""").fetchone())
     return {"steps": row[0], "step_seconds": row[1] or 0.0, "sync_seconds": row[2] or 0.0,
             "max_logprob_diff": row[3]}
 

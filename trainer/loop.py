@@ -418,7 +418,7 @@ class Trainer:
 
     def train_once(self) -> dict | None:
         """One step if there is a batch: returns the train_steps row, or None."""
-        batch = self.next_batch()
+        batch = store.retry_vanished(self.next_batch)
         if batch is None:
             return None
         metrics = self.step(batch)

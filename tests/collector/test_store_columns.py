@@ -16,3 +16,25 @@ def test_files_that_predate_a_column_read_it_as_null(tmp_path):
     cols = [r[0] for r in con.execute("DESCRIBE transitions").fetchall()]
     assert set(store.TRANSITION_SCHEMA.names) <= set(cols)
     assert con.execute("SELECT transition_id, advantage FROM transitions").fetchall() == [("r1/s1", None)]
+
+
+def test_a_read_is_repeated_when_a_globbed_file_vanished(tmp_path):
+    """Compaction removes files a reader's glob may have just listed: the read runs again."""
+    import duckdb
+    import pytest
+
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise duckdb.IOException('IO Error: Cannot open file "x.parquet": No such file or directory')
+        return "read"
+
+    assert store.retry_vanished(flaky) == "read" and len(calls) == 3
+
+    def broken():
+        raise duckdb.IOException("IO Error: permission denied")
+
+    with pytest.raises(duckdb.IOException):
+        store.retry_vanished(broken)
