@@ -87,7 +87,7 @@ def compact_partition(table: str, partition: Path, files: list[Path], *, remove:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, final)
-    _fsync_dir(partition)
+    store.fsync_dir(partition)
     if remove:                                             # only now: readers never see a gap
         remove_files(files)
     return final
@@ -99,7 +99,7 @@ def remove_files(files: list[Path]) -> None:
         path.unlink(missing_ok=True)
     for directory in {path.parent for path in files}:
         if directory.is_dir():
-            _fsync_dir(directory)
+            store.fsync_dir(directory)
 
 
 def expire_partitions(root: Path, table: str, retention_days: int, now: datetime | None = None) -> list[str]:
@@ -123,7 +123,7 @@ def expire_partitions(root: Path, table: str, retention_days: int, now: datetime
         trash = root / _TRASH / f"{table}-{partition.name}-{uuid.uuid4().hex}"
         trash.parent.mkdir(parents=True, exist_ok=True)
         os.replace(partition, trash)                       # atomic: out of every reader's glob at once
-        _fsync_dir(partition.parent)
+        store.fsync_dir(partition.parent)
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(partition.name)
     return removed
@@ -132,10 +132,3 @@ def expire_partitions(root: Path, table: str, retention_days: int, now: datetime
 def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

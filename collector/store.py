@@ -274,9 +274,14 @@ def write_table(path: str | os.PathLike | None, table_name: str, table: pa.Table
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, final)
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(root)
     return final
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

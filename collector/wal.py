@@ -49,6 +49,8 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from lightspan.collector.store import fsync_dir
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<II")
@@ -194,7 +196,7 @@ class WAL:
         path = self._path(segment_id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            _fsync_dir(self.directory)  # the new file's name must survive a crash too
+            fsync_dir(self.directory)  # the new file's name must survive a crash too
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -235,7 +237,7 @@ class WAL:
         if removed:
             with self._write_lock:   # from the files: a torn tail that could not be cut is counted too
                 self._bytes = sum(_size(self._path(i)) for i in self.segment_ids())
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def close(self) -> None:
         """Close the active segment (fsynced). Idempotent."""
@@ -280,10 +282,3 @@ def _size(path: Path) -> int:
     except FileNotFoundError:
         return 0
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
