@@ -71,7 +71,7 @@ def _sql(args) -> int:
 
     def query():
         rel = store.connect(args.data_dir).sql(args.query)
-        return rel, (rel.fetch_arrow_table() if rel is not None else None)
+        return rel, (rel.to_arrow_table() if rel is not None else None)
 
     rel, table = store.retry_vanished(query)  # read once, with every file it globbed still there
     if rel is None:
