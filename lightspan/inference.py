@@ -8,7 +8,6 @@ server is started as ``python -m vllm.entrypoints.openai.api_server`` (FACTS.md)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import subprocess
@@ -123,6 +122,3 @@ def serve(cfg: VLLMConfig) -> int:
     """Run the server in the foreground (``lightspan vllm``)."""
     return subprocess.call(command(cfg), env=environment(cfg))
 
-
-def replace_fields(cfg: VLLMConfig, **changes) -> VLLMConfig:
-    return dataclasses.replace(cfg, **changes)
