@@ -115,7 +115,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Pat
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[3] if len(proc.args) > 3 else proc.args} exited ({proc.returncode}); "
+            raise RuntimeError(f"{log_path.stem} exited ({proc.returncode}); "
                                f"see {log_path}:\n" + "\n".join(log_path.read_text(errors='replace').splitlines()[-20:]))
         try:
             if requests.get(url, timeout=2).ok:
