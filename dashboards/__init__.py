@@ -1,0 +1,1 @@
+"""The web UI and Grafana dashboards over lightspan's store and metrics."""
