@@ -29,7 +29,11 @@ rollouts at once. One build:
 3. An LLM call is a span with token ids or a GenAI operation name (as the ``llm_calls`` view).
    Nested LLM call spans (two instrumentations of one request) collapse into one: the inner
    span with token ids is kept, the others are dropped as ``duplicate`` calls, as is every span
-   the instrumentor marked ``lightspan.capture.status = duplicate``.
+   the instrumentor marked ``lightspan.capture.status = duplicate``. A call belongs to the agent
+   of the nearest span, itself included, that is an agent span: one carrying
+   ``gen_ai.agent.name``, or ``gen_ai.operation.name = invoke_agent`` (named by its span name
+   ``invoke_agent {name}``), or traceloop's ``traceloop.span.kind = agent`` (named by
+   ``traceloop.entity.name``); with none, to the resource's ``service.name``.
 4. A group is the rollouts of one task among those kept in this build (a rollout without a
    task id is a group of its own). Rollouts already built or still incomplete never join a
    later group: a straggler that completes after its siblings were built is a group of one.
@@ -143,7 +147,12 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
        coalesce(s.rollout_id, s.trace_id) AS rollout_key, s.rollout_id IS NOT NULL AS has_rollout_id,
        s.task_id, s.split, s.start_time_unix_nano AS start_ns,
        coalesce(s.end_time_unix_nano, s.start_time_unix_nano) AS end_ns,
-       s.operation_name, s.capture_status, s.agent_name, s.finish_reasons[1] AS finish_reason,
+       s.operation_name, s.capture_status, s.finish_reasons[1] AS finish_reason, s.service_name,
+       -- the agent this span names, if it is an agent span (step 3)
+       coalesce(s.agent_name,
+                CASE WHEN s.operation_name = $invoke_agent THEN nullif(trim(substr(s.name, 13)), '') END,
+                CASE WHEN s.attributes[$tl_kind] = '"agent"' THEN trim(s.attributes[$tl_entity], '"') END
+       ) AS agent_label,
        s.reward, s.model_version, s.temperature, s.received_unix_nano,
        CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome
 FROM {source} s JOIN _lrl_files f ON f.filename = s.filename
@@ -213,8 +222,8 @@ WHERE r.reason IS NULL ORDER BY s.fidx, s.frow
 _CALLS_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_calls AS
 WITH c AS (
-    SELECT s.rollout_key, s.trace_id, s.span_id, s.parent_span_id, s.agent_name,
-           coalesce(s.agent_name, '') AS agent_key, s.start_ns, s.end_ns, s.model_version, s.temperature,
+    SELECT s.rollout_key, s.trace_id, s.span_id, s.parent_span_id, s.agent_label AS agent_name,
+           s.service_name, s.start_ns, s.end_ns, s.model_version, s.temperature,
            coalesce(list_contains($truncated::VARCHAR[], s.finish_reason), false) AS truncated, t.hpos,
            s.capture_status IS NOT DISTINCT FROM 'duplicate' AS marked_duplicate,
            coalesce(t.plen > 0 AND t.clen > 0 AND t.llen = t.clen, false) AS has_tokens
@@ -227,11 +236,30 @@ WITH c AS (
 )
 -- of nested calls keep one: the innermost with token ids, else the innermost; and never a span
 -- the instrumentor marked as enclosing another call (capture.status = duplicate)
-SELECT c.* EXCLUDE (marked_duplicate),
+SELECT c.* EXCLUDE (marked_duplicate), coalesce(c.agent_name, c.service_name, '') AS agent_key,
        c.marked_duplicate OR k.span_id IS NOT NULL AND (k.with_tokens OR NOT c.has_tokens)
             OR (NOT c.has_tokens AND coalesce(p.has_tokens, false)) AS duplicate
 FROM c LEFT JOIN kids k ON k.trace_id = c.trace_id AND k.span_id = c.span_id
 LEFT JOIN c p ON p.trace_id = c.trace_id AND p.span_id = c.parent_span_id
+"""
+
+# 3. Each call's agent: the nearest span, itself included, that names one; else service.name.
+#    The walk up the parent links runs only for calls that name no agent themselves.
+_AGENTS_SQL = """
+CREATE OR REPLACE TEMP TABLE _lrl_agents AS
+WITH RECURSIVE walk(trace_id, span_id, up, agent, depth) AS (
+    SELECT trace_id, span_id, parent_span_id, NULL::VARCHAR, 0 FROM _lrl_calls
+    WHERE agent_name IS NULL AND parent_span_id IS NOT NULL
+    UNION ALL
+    SELECT w.trace_id, w.span_id, p.parent_span_id, p.agent_label, w.depth + 1
+    FROM walk w JOIN _lrl_spans p ON p.trace_id = w.trace_id AND p.span_id = w.up
+    WHERE w.agent IS NULL AND w.up IS NOT NULL AND w.depth < 256
+)
+SELECT trace_id, span_id, any_value(agent) AS agent FROM walk WHERE agent IS NOT NULL GROUP BY ALL
+"""
+_AGENT_KEY_SQL = """
+UPDATE _lrl_calls c SET agent_key = a.agent FROM _lrl_agents a
+WHERE a.trace_id = c.trace_id AND a.span_id = c.span_id
 """
 
 _REWARDS_SQL = """
@@ -286,7 +314,7 @@ FROM _lrl_final WHERE reason IS NULL
 
 _FETCH_CALLS_SQL = """
 SELECT k.ridx, c.rollout_key || '/' || c.span_id AS transition_id, c.rollout_key, k.task_id, k.split,
-       c.agent_name, c.agent_key, c.end_ns, c.model_version, c.temperature, c.hpos,
+       nullif(c.agent_key, '') AS agent_name, c.agent_key, c.end_ns, c.model_version, c.temperature, c.hpos,
        c.has_tokens AND NOT (c.truncated AND $drop_truncated) AS emit
 FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
 WHERE NOT c.duplicate AND list_contains($agents::VARCHAR[], c.agent_key)
@@ -312,7 +340,7 @@ SELECT count(*) FILTER (WHERE duplicate),
 FROM c
 """
 
-_TEMP_TABLES = ("_lrl_scope", "_lrl_spans", "_lrl_copies", "_lrl_rollouts", "_lrl_calls", "_lrl_rewards", "_lrl_final",
+_TEMP_TABLES = ("_lrl_scope", "_lrl_spans", "_lrl_copies", "_lrl_rollouts", "_lrl_calls", "_lrl_agents", "_lrl_rewards", "_lrl_final",
                 "_lrl_ready")
 _REGISTERED = ("_lrl_files", "_lrl_pending", "_lrl_tok")
 
@@ -419,7 +447,9 @@ def _read(con, config: TransitionsConfig, since: Watermark, now: int, files: lis
             reader.prefetch(range(len(files)))
         # the files' token lists decode in the background while DuckDB reads the light columns
         con.execute(_SPANS_SQL.format(source=source, where=where),
-                    {"runner": semconv.SPAN_RUNNER, "outcome": semconv.ROLLOUT_OUTCOME})
+                    {"runner": semconv.SPAN_RUNNER, "outcome": semconv.ROLLOUT_OUTCOME,
+                     "invoke_agent": semconv.OPERATION_INVOKE_AGENT, "tl_kind": semconv.TRACELOOP_SPAN_KIND,
+                     "tl_entity": semconv.TRACELOOP_ENTITY_NAME})
         read, newest = con.execute("SELECT count(*), max(received_unix_nano) FROM _lrl_spans").fetchall()[0]
         con.execute(_DEDUP_SQL)
         copies = con.execute("SELECT sum(copies - 1) FROM _lrl_copies").fetchall()[0][0]
@@ -447,6 +477,9 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: _Fo
     found.scan["token_files_read"] = len(np.unique(fidx))
     con.register("_lrl_tok", lengths)
     con.execute(_CALLS_SQL, {"ops": list(LLM_OPERATIONS), "truncated": list(TRUNCATED_FINISH)})
+    if con.execute("SELECT count(*) FROM _lrl_calls WHERE agent_name IS NULL").fetchall()[0][0]:
+        con.execute(_AGENTS_SQL)
+        con.execute(_AGENT_KEY_SQL)
     con.execute(_REWARDS_SQL)
     names = [row[0] for row in con.execute(
         "SELECT DISTINCT agent_key FROM _lrl_calls WHERE NOT duplicate ORDER BY 1").fetchall()]

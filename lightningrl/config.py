@@ -57,8 +57,10 @@ class TransitionsConfig:
     split: str = option(
         "train", "Build transitions for rollouts of this split (a rollout without one is 'train').")
     agent_match: str = option(
-        "", "Python regex searched in each call's gen_ai.agent.name; only matching calls are "
-        "actions to train (empty: every call). A call without an agent name is matched as ''.")
+        "", "Python regex searched in each call's agent name; only matching calls are actions "
+        "to train (empty: every call). A call's agent is the nearest enclosing agent span (itself "
+        "included: gen_ai.agent.name, an invoke_agent span, traceloop.span.kind=agent), else the "
+        "resource's service.name; a call with neither is matched as ''.")
     min_group_size: int = option(
         2, "Groups (rollouts of one task in one build) smaller than this are dropped and counted "
         "(transitions/dropped_rollouts/small_group).")
