@@ -103,6 +103,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lightspan.collector import store
+from lightspan.progress import progress
 from lightspan.tracing import semconv
 
 from . import watermark as wm
@@ -648,7 +649,11 @@ def run(config: TransitionsConfig, *, now_unix_nano: int | None = None) -> dict:
         finally:
             con.close()
 
-    table, metrics, next_mark = store.retry_vanished(build)
+    with progress(f"transitions build ({config.split})") as bar:
+        table, metrics, next_mark = store.retry_vanished(build)
+        bar.update(f"{metrics['transitions/rollouts']} rollouts, {table.num_rows} rows, "
+                   f"{metrics['transitions/spans_read']} spans read")
+        bar.advance(table.num_rows)
     if table.num_rows:
         path = store.write_table(config.data_dir, "transitions", table)
         log.info("wrote %d transitions (%d calls) of %d rollouts in %d groups to %s (reward mean %.4f)",

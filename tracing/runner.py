@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from lightspan.config import ConfigError, option
+from lightspan.progress import progress
 from lightspan.tracing import semconv
 
 log = logging.getLogger(__name__)
@@ -215,8 +217,19 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
         return o
 
     jobs = [task for task in tasks for _ in range(cfg.samples)]
-    with ThreadPoolExecutor(cfg.concurrency) as pool:
-        outcomes = list(pool.map(attempt_all, jobs))
+    done: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def tracked(task, bar):
+        o = attempt_all(task)
+        with lock:
+            done[o.outcome] = done.get(o.outcome, 0) + 1
+            bar.update(" ".join(f"{k} {v}" for k, v in sorted(done.items())))
+            bar.advance()
+        return o
+
+    with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
+        outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
     provider.shutdown()  # flushes the outcome spans to the collector
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
     return {"rollouts": len(outcomes), **counts, "policy_version": version,
