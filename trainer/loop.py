@@ -24,7 +24,13 @@ Choices worth knowing:
    created_unix_nano) is trained again; within one batch only the newest build counts.
 4. If the weight sync fails the checkpoint stays saved and the run exits with code 1; the
    next start publishes it (``ensure_published``) before training on.
-5. Single process: accelerate places the model, but the batch is not sharded across ranks.
+5. Data parallel under ``accelerate launch`` (deploy/accelerate/): rank 0 alone reads the
+   store, checkpoints, syncs and writes train_steps; it broadcasts each batch, every rank trains
+   on its share of the batch's groups (``shard_groups``: whole groups, balanced by tokens), and
+   the loss is normalised by the whole batch's counts and scaled by the number of ranks, so
+   DDP's gradient average equals one process's gradient on the full batch. Every rank runs the
+   same number of micro-batches (extra ones carry weight 0): DDP and FSDP collectives must pair.
+   The checkpoint holds rank 0's RNG; output_dir must be on storage every rank can read.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import signal
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +55,10 @@ import torch
 from lightspan.collector import store
 from lightspan.config import to_dict
 from lightspan.trainer.config import TrainerConfig, parse_duration
+from lightspan.trainer.lora import reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
-from lightspan.trainer.sync import NoSync, ReloadSync, SyncError, WeightSync, verify
+from lightspan.trainer.metrics import TrainerMetrics, start_server
+from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +69,7 @@ RESUME_STATE = ("version", "cursor", "run_id", "optimizer", "rng")
 VERIFY_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
 _CHECKPOINT = re.compile(r"v(\d{6,})")
 # model files save_pretrained writes itself; everything else in the model dir is copied along
-_MODEL_FILES = re.compile(r"(config\.json|generation_config\.json|.*\.safetensors|.*\.bin|.*\.index\.json|"
+_MODEL_FILES = re.compile(r"(config\.json|generation_config\.json|adapter_config\.json|.*\.safetensors|.*\.bin|.*\.index\.json|"
                           r".*\.gguf|.*\.pt|.*\.pth)")
 
 
@@ -121,6 +130,29 @@ def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -
                                                 temperatures)))
 
 
+def shard_groups(rows: list[dict], num_shards: int) -> list[list[int]]:
+    """Split a batch between ranks: row indices per shard, each shard in batch order.
+
+    A group (the transitions of one task, else of one rollout) stays on one rank. Groups go,
+    largest first, to the shard with the fewest tokens so far (ties: the lower shard), so every
+    rank computes the same split. A shard may be empty when there are fewer groups than ranks.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(r.get("task_id") or r.get("rollout_id") or r["transition_id"], []).append(i)
+
+    def tokens(indices: list[int]) -> int:
+        return sum(len(rows[i]["prompt_token_ids"]) + len(rows[i]["completion_token_ids"]) for i in indices)
+
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    load = [0] * num_shards
+    for indices in sorted(groups.values(), key=lambda g: (-tokens(g), g[0])):
+        k = min(range(num_shards), key=lambda j: (load[j], j))
+        shards[k] += indices
+        load[k] += tokens(indices)
+    return [sorted(s) for s in shards]
+
+
 # The new transitions after the cursor, classified once. Only light columns: the token lists
 # of the rows chosen are read afterwards, by key. A temp table keeps one snapshot: files that
 # land while a batch is chosen wait for the next one instead of being skipped by the cursor.
@@ -154,7 +186,10 @@ class Trainer:
         self.config = config
         self.data_dir = store.data_dir(config.data_dir)
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
-        self.sync = sync or (ReloadSync(config.vllm_url) if config.sync == "reload" else NoSync())
+        self.sync = sync or {"reload": lambda: ReloadSync(config.vllm_url),
+                             "lora": lambda: LoraSync(config.vllm_url, config.served_model_name),
+                             }.get(config.sync, NoSync)()
+        self.metrics = TrainerMetrics()           # served on /metrics by run()
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         # the resume state (RESUME_STATE), set by load_or_init
         self.version = 0
@@ -179,11 +214,16 @@ class Trainer:
         cfg = self.config
         found = self.checkpoints()
         source = found[-1][1] if found else Path(cfg.model)
-        if not (source / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {source} (config.json missing): pass --model DIR")
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        base = Path(cfg.model) if cfg.lora_r else source      # a LoRA checkpoint holds the adapter only
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {base} (config.json missing): pass --model DIR")
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         _untie(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        if cfg.lora_r:
+            model = with_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                              targets=cfg.lora_target_modules, seed=cfg.seed, adapter_dir=source if found else None)
+        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.learning_rate,
+                                      weight_decay=cfg.weight_decay)
         if found:
             state = torch.load(source / STATE_FILE, weights_only=True)
             missing = [k for k in RESUME_STATE if k not in state]
@@ -196,7 +236,7 @@ class Trainer:
             _set_rng(state["rng"])
             log.info("resumed version %d from %s (cursor %s)", self.version, source, self.cursor)
         else:
-            self.version, self.cursor, self.run_id = 0, Cursor(), uuid.uuid4().hex
+            self.version, self.cursor, self.run_id = 0, Cursor(), self._from_main(uuid.uuid4().hex)
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             log.info("starting at version 0 from %s", source)
@@ -208,7 +248,7 @@ class Trainer:
             log.warning("no tokenizer in %s (%s): verifying syncs with fixed token ids", source, exc)
         if isinstance(self.sync, ReloadSync) and self.sync.serving is None:
             self.sync.serving = self._served_dir()
-        if cfg.beta:
+        if cfg.beta and not cfg.lora_r:      # with LoRA the reference is the base, adapters disabled
             self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
             self.ref_model.requires_grad_(False).eval().to(self.accelerator.device)
 
@@ -282,8 +322,7 @@ class Trainer:
         t0 = time.monotonic()
         model.train()
         pad_id = self._pad_id()
-        micro = [collate(batch.rows[i:i + cfg.micro_batch_size], pad_id, device)
-                 for i in range(0, len(batch.rows), cfg.micro_batch_size)]
+        micro, live = self._micro_batches(batch.rows, pad_id, device)   # this rank's share
         lengths = [len(r["completion_token_ids"]) for r in batch.rows]
         trained = [n if r.get("completion_mask") is None else sum(r["completion_mask"])
                    for r, n in zip(batch.rows, lengths)]
@@ -296,22 +335,27 @@ class Trainer:
             for i, mb in enumerate(micro):
                 if cfg.num_iterations > 1:
                     old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)[0]
-                if self.ref_model is not None:
-                    ref[i] = token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                            mb.temperatures)[0]
+                if cfg.beta:
+                    with reference(self.accelerator.unwrap_model(model), self.ref_model) as ref_model:
+                        ref[i] = token_logprobs(ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                                mb.temperatures)[0]
 
         sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
         loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
         for _ in range(cfg.num_iterations):
-            for i, mb in enumerate(micro):
+            for i, mb in self._accumulating(micro):
                 logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                                    mb.temperatures)
                 loss, m = policy_loss(
                     logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
                     loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                     behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
-                    is_cap=cfg.is_cap, ref_logprobs=ref[i], beta=cfg.beta, totals=totals)
-                self.accelerator.backward(loss)
+                    is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[i], beta=cfg.beta,
+                    totals=totals)
+                # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
+                self.accelerator.backward(loss * (self.accelerator.num_processes if i < live else 0.0))
+                if i >= live:                   # a padding pass (module docstring, 5): no metrics
+                    continue
                 n = m["num_tokens"]
                 m["entropy"] = float(entropy.sum()) / max(n, 1)
                 for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
@@ -322,12 +366,16 @@ class Trainer:
             grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        sums, loss_total, is_max = self._across_ranks(sums, loss_total, is_max)
 
         self.version += 1
         self.cursor = batch.cursor
         weight = max(totals.num_tokens * cfg.num_iterations, 1)
         metrics = {key: value / weight for key, value in sums.items()}
         advantages = [abs(float(r["advantage"])) for r in batch.rows]
+        signed = torch.tensor([float(r["advantage"]) for r in batch.rows], dtype=torch.float64)
+        metrics["advantage_std"] = float(signed.std(unbiased=False))
+        metrics["tokens_per_second"] = totals.num_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
         metrics.update({
             "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
             "num_transitions": len(batch.rows), "num_tokens": totals.num_tokens,
@@ -340,6 +388,68 @@ class Trainer:
     def _pad_id(self) -> int:
         pad_id = getattr(self.tokenizer, "pad_token_id", None)
         return pad_id if pad_id is not None else 0      # masked out either way
+
+    # ---- data parallel (module docstring, 5) -------------------------------------------------
+    def _micro_batches(self, rows: list[dict], pad_id: int, device) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches and how many of them are real: the others repeat one row and
+        are trained with weight 0, so that every rank runs as many passes as the busiest one."""
+        acc, size = self.accelerator, self.config.micro_batch_size
+        shards = shard_groups(rows, acc.num_processes) if acc.num_processes > 1 else [list(range(len(rows)))]
+        mine = [rows[i] for i in shards[acc.process_index]]
+        chunks = [mine[i:i + size] for i in range(0, len(mine), size)]
+        live = len(chunks)
+        chunks += [rows[:1]] * (max(-(-len(s) // size) for s in shards) - live)
+        return [collate(c, pad_id, device) for c in chunks], live
+
+    def _accumulating(self, micro: list[MicroBatch]):
+        """Yield (i, micro-batch); all but the last run inside ``no_sync``, so DDP all-reduces the
+        accumulated gradient once per pass instead of once per micro-batch."""
+        for i, mb in enumerate(micro):
+            with self.accelerator.no_sync(self.model) if i < len(micro) - 1 else nullcontext():
+                yield i, mb
+
+    def _across_ranks(self, sums: dict, loss_total: float, is_max: float) -> tuple[dict, float, float]:
+        """The step's metric sums over every rank's share of the batch (a no-op on one process)."""
+        if self.accelerator.num_processes == 1:
+            return sums, loss_total, is_max
+        from accelerate.utils import gather_object
+
+        parts = gather_object([(sums, loss_total, is_max)])
+        total: dict[str, float] = {}
+        for part, _, _ in parts:
+            for key, value in part.items():
+                total[key] = total.get(key, 0.0) + value
+        return total, sum(p[1] for p in parts), max(p[2] for p in parts)
+
+    def _from_main(self, value):
+        """Rank 0's ``value`` on every rank."""
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    def _on_main(self, fn):
+        """``fn()`` on rank 0 only (the store, checkpoints and the sync are rank 0's); every rank
+        returns its result, or raises its error, so no rank is left waiting at the next collective."""
+        if self.accelerator.num_processes == 1:
+            return fn()
+        result = error = None
+        if self.accelerator.is_main_process:
+            try:
+                result = fn()
+            except SyncError as exc:
+                error = ("sync", (exc.endpoint, exc.status, exc.body, exc.attempts))
+                raised = exc
+            except Exception as exc:
+                error = ("other", f"{type(exc).__name__}: {exc}")
+                raised = exc
+        result, error = self._from_main((result, error))
+        if error is None:
+            return result
+        if self.accelerator.is_main_process:
+            raise raised
+        raise SyncError(*error[1]) if error[0] == "sync" else RuntimeError(f"rank 0 failed: {error[1]}")
 
     # ---- checkpoints and publishing --------------------------------------------------------
     def save(self, version: int) -> Path:
@@ -386,9 +496,15 @@ class Trainer:
 
     def publish(self, checkpoint: Path, metrics: dict | None = None) -> dict:
         """Sync ``checkpoint`` to vLLM, verify it, write policy.json and (given metrics) a train_steps row."""
-        sync_metrics = self.sync.push(checkpoint, self.version)
+        try:
+            sync_metrics = self.sync.push(checkpoint, self.version)
+        except SyncError:
+            self.metrics.sync_failed()
+            raise
+        if "sync_seconds" in sync_metrics and not isinstance(self.sync, NoSync):
+            self.metrics.observe_sync(sync_metrics["sync_seconds"])
         diff = None
-        if isinstance(self.sync, ReloadSync):
+        if isinstance(self.sync, (ReloadSync, LoraSync)):
             ids, expected = self.verify_sequence()
             diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
             level = logging.WARNING if diff > 1e-3 else logging.INFO
@@ -396,17 +512,26 @@ class Trainer:
         write_policy(self.data_dir, self.version, checkpoint)
         self.prune()
         if metrics is None:
+            self.metrics.set_version(self.version)
             return {}
         row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
                "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names
         store.write_table(self.data_dir, "train_steps",
                           pa.Table.from_pylist([{k: row.get(k) for k in names}], schema=store.TRAIN_STEP_SCHEMA))
+        self.metrics.observe_step(row)      # the gauges change together, with the step's row
         return row
 
     def ensure_published(self) -> None:
-        """After a crash between save and publish, publish the checkpoint the trainer resumed from."""
+        """After a crash between save and publish, publish the checkpoint the trainer resumed from;
+        with sync 'lora', publish the current adapter on every start."""
         published = read_policy(self.data_dir)
+        self.metrics.set_version(self.version)
+        if self.config.sync == "lora":
+            # vLLM forgets adapters loaded at run time when it restarts, and starts with none under
+            # the stable name: load the current one on every start (version 0: B = 0, the base)
+            self.publish(self.save(0) if self.model_source == Path(self.config.model) else self.model_source)
+            return
         if published is not None and published.get("version") == self.version:
             return
         if self.version == 0:                 # vLLM was started on the initial model: nothing to push
@@ -418,12 +543,11 @@ class Trainer:
 
     def train_once(self) -> dict | None:
         """One step if there is a batch: returns the train_steps row, or None."""
-        batch = store.retry_vanished(self.next_batch)
+        batch = self._on_main(lambda: store.retry_vanished(self.next_batch))
         if batch is None:
             return None
         metrics = self.step(batch)
-        checkpoint = self.save(self.version)
-        row = self.publish(checkpoint, metrics)
+        row = self._on_main(lambda: self.publish(self.save(self.version), metrics))
         log.info("version %d: %d transitions, %d tokens, loss %.4f, reward %s, clip %.3f, IS %.3f, "
                  "entropy %.3f, skipped %d stale / %d zero-advantage / %d malformed, %.2f s + sync %.2f s",
                  self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
@@ -471,11 +595,23 @@ def run(config: TrainerConfig) -> int:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     trainer = Trainer(config)
+    if trainer.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        # save() writes rank 0's unsharded model and optimizer: sharded state would need gathering
+        log.error("%s is not supported yet: checkpoints do not gather sharded weights and optimizer "
+                  "state; launch with deploy/accelerate/ddp.yaml", trainer.accelerator.distributed_type.value)
+        return 2
+    if not trainer.accelerator.is_main_process:      # rank 0 logs for the run
+        logging.getLogger("lightspan").setLevel(logging.WARNING)
+    elif trainer.accelerator.num_processes > 1:
+        log.info("data parallel over %d processes (%s)", trainer.accelerator.num_processes,
+                 trainer.accelerator.distributed_type.value)
     trainer.load_or_init()
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
+    server = start_server(trainer.metrics, config.metrics_host, config.metrics_port) \
+        if trainer.accelerator.is_main_process else None
     try:
-        trainer.ensure_published()
+        trainer._on_main(trainer.ensure_published)
         if config.mode == "once":
             if trainer.train_once() is None:
                 log.info("nothing to train: fewer than %d new trainable transitions in %s",
@@ -483,7 +619,7 @@ def run(config: TrainerConfig) -> int:
             return 0
         period = parse_duration(config.every) if config.mode == "every" else config.poll_interval_s
         steps, deadline = 0, time.monotonic()
-        while not stop.is_set():
+        while not trainer._from_main(stop.is_set()):     # ranks stop together, at rank 0's signal
             row = trainer.train_once()
             steps += row is not None
             if config.max_steps and steps >= config.max_steps:
@@ -503,6 +639,8 @@ def run(config: TrainerConfig) -> int:
         return 1
     finally:
         _restore_handlers(previous)
+        if server is not None:
+            server.stop()
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict:

@@ -1,4 +1,4 @@
-"""The GRPO family of clipped policy losses, with truncated importance sampling against vLLM.
+"""The GRPO family of clipped policy losses and CISPO, with importance sampling against vLLM.
 
 Papers:
 - GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), §4.1 eq. 3: the PPO clipped
@@ -8,18 +8,34 @@ Papers:
   epsilon_high (§3.1), and the token-level loss, every token of the batch weighted equally (§3.3).
 - Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783), §3.1:
   no per-sequence length normalisation; the sum is divided by a constant.
+- CISPO: MiniMax 2025, "MiniMax-M1" (arXiv:2506.13585), §3.1 eq. 4-5: clip the importance
+  sampling weight, not the update; the clipped weight carries no gradient and multiplies
+  A log pi_theta, so every token keeps a gradient (clipping only bounds its size).
 - Truncated importance sampling (TIS): Yao et al. 2025, "Your Efficient RL Framework Secretly
   Brings You Off-Policy RL Training": the sampler's (vLLM's) probabilities differ from the
   trainer's, so each token's loss is weighted by min(pi_old / pi_vllm, C).
+- Masked importance sampling (MIS) and its sequence-level forms: Liu, Li et al. 2025, "When
+  Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch": drop
+  (weight 0) rather than truncate tokens or whole sequences whose ratio leaves [C_min, C];
+  the sequence ratio is the product of its tokens' ratios. TRL calls these
+  ``vllm_importance_sampling_mode`` ``token_truncate``/``token_mask``/``sequence_*``.
 
 For token t of completion i, with A_i the transition's advantage::
 
     r_it  = pi_theta(o_it | q_i, o_i<t) / pi_old(o_it | q_i, o_i<t)
-    w_it  = min(pi_old(o_it) / pi_vllm(o_it), C)                            (TIS, no gradient)
+    w_it  = min(pi_old(o_it) / pi_vllm(o_it), C)                 (token_truncate, no gradient)
     l_it  = -min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i) w_it + beta KL_it
     KL_it = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1                 (k3)
 
-and the loss aggregates l_it per loss type (``AGGREGATIONS``).
+CISPO replaces the clipped surrogate (``loss_type = "cispo"``, token-level aggregation)::
+
+    l_it  = -sg(min(r_it, 1 + eps_high)) A_i log pi_theta(o_it) w_it + beta KL_it
+
+and the loss aggregates l_it per loss type (``AGGREGATIONS``). The IS weight w_it
+(``is_correction``) is, with rho_it = pi_old(o_it) / pi_vllm(o_it) and rho_i = prod_t rho_it:
+``token_truncate`` clip(rho_it, C_min, C); ``token_mask`` rho_it if C_min <= rho_it <= C else 0;
+``sequence_truncate`` clip(rho_i, C_min, C) on every token of i; ``sequence_mask`` rho_i if
+C_min <= rho_i <= C else 0; ``none`` 1. C is ``is_cap``, C_min ``is_floor`` (0: no lower bound).
 
 Deviations from the papers:
 1. Advantages arrive precomputed, one scalar per transition (rollout-level GRPO in the
@@ -33,10 +49,16 @@ Deviations from the papers:
    so the micro-batch losses sum to the full-batch loss and gradient accumulation is exact.
 5. The clip range is the same for every loss type; epsilon_high = epsilon gives GRPO's
    symmetric clip.
-6. The KL reference is the initial model, fixed for the whole run.
+6. The KL reference is the initial model, fixed for the whole run (with LoRA: the base
+   model, adapters disabled).
 7. The policy optimised is the one that sampled: logits divided by the call's sampling
    temperature, as TRL does. vLLM's processed logprobs also reflect top-k/top-p and penalties,
    which are not reproduced: keep them off in RL rollouts (FACTS.md).
+8. CISPO's IS-weight clip has no lower bound (MiniMax-M1 §3.1 sets eps_low^IS large and tunes
+   only eps_high^IS); its upper bound is 1 + ``epsilon_high``, the same option as the other
+   losses' clip (TRL's ``cispo`` instead reads ``epsilon_high`` as the bound itself). Its
+   loss value is -A log pi weighted, so it is not comparable with the other losses' values.
+   With one pass per batch (r = 1) its gradient equals DAPO's.
 """
 
 from __future__ import annotations
@@ -97,10 +119,32 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float, epsilon
     return -torch.min(ratio * advantages, clipped * advantages)
 
 
+def cispo_surrogate(ratio: Tensor, logprobs: Tensor, advantages: Tensor, epsilon_high: float) -> Tensor:
+    """-sg(min(r, 1 + eps_high)) A log pi per token (MiniMax-M1 eq. 4); ``advantages`` (B, 1)."""
+    weight = torch.clamp(ratio, max=1 + epsilon_high).detach()
+    return -weight * advantages * logprobs
+
+
 def truncated_is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     """(min(pi_old / pi_vllm, C), the untruncated ratio); both without gradient (Yao et al. 2025)."""
     ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs)
     return torch.clamp(ratio, max=cap), ratio
+
+
+def is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, mode: str, cap: float,
+              floor: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(w, rho): the IS weight of each token (B, C) per ``mode`` (module docstring) and the raw
+    ratio it came from, per token or, for ``sequence_*``, per sequence broadcast over its tokens.
+    No gradient. Tokens outside ``mask`` count neither in a sequence's ratio nor anywhere else."""
+    log_rho = (old_logprobs.detach() - behaviour_logprobs) * mask
+    if mode.startswith("sequence_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = torch.exp(log_rho)
+    if mode.endswith("_truncate"):
+        return torch.clamp(rho, min=floor, max=cap), rho
+    if mode.endswith("_mask"):
+        return rho.masked_fill((rho > cap) | (rho < floor), 0.0), rho
+    raise ValueError(f"unknown importance sampling mode {mode!r}")
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -129,6 +173,7 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
     "grpo": grpo_aggregate,
     "dapo": dapo_aggregate,
     "dr_grpo": dr_grpo_aggregate,
+    "cispo": dapo_aggregate,          # MiniMax-M1 eq. 4: 1 / sum_i |o_i|, token-level like DAPO
 }
 
 
@@ -139,7 +184,7 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
                 loss_type: str, epsilon: float, epsilon_high: float,
                 behaviour_logprobs: Tensor | None = None, is_correction: str = "token_truncate",
-                is_cap: float = 2.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                is_cap: float = 2.0, is_floor: float = 0.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
                 totals: BatchTotals | None = None) -> tuple[Tensor, dict[str, float]]:
     """The clipped, IS-corrected policy loss of one (micro-)batch and its metrics.
 
@@ -153,13 +198,17 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, comp
     advantages = advantages.to(logprobs.dtype).unsqueeze(1)      # (B, 1), one per transition
 
     ratio = torch.exp(logprobs - old_logprobs.detach())
-    per_token = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
-
-    if behaviour_logprobs is not None and is_correction == "token_truncate":
-        is_weight, is_raw = truncated_is_weight(old_logprobs, behaviour_logprobs, is_cap)
+    if loss_type == "cispo":
+        per_token = cispo_surrogate(ratio, logprobs, advantages, epsilon_high)
     else:
-        is_weight = is_raw = torch.ones_like(per_token)
-    per_token = per_token * is_weight
+        per_token = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
+
+    if behaviour_logprobs is not None and is_correction != "none":
+        weight, is_raw = is_weight(old_logprobs, behaviour_logprobs, mask, mode=is_correction, cap=is_cap,
+                                   floor=is_floor)
+    else:
+        weight = is_raw = torch.ones_like(per_token)
+    per_token = per_token * weight
 
     if beta and ref_logprobs is not None:
         kl = k3_kl(logprobs, ref_logprobs)
@@ -170,8 +219,11 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, comp
     loss = aggregate(per_token, mask, totals)
 
     with torch.no_grad():
-        clipped_low = (ratio < 1 - epsilon) & (advantages < 0)
-        clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+        if loss_type == "cispo":      # the weight is clipped whatever the advantage's sign
+            clipped_low, clipped_high = torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + epsilon_high
+        else:
+            clipped_low = (ratio < 1 - epsilon) & (advantages < 0)
+            clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
         masked_is = is_raw.masked_fill(mask == 0, 0.0)
         metrics = {
             "loss": float(loss),
@@ -180,9 +232,10 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, comp
             "clip_ratio_low": _masked_mean(clipped_low.to(mask.dtype), mask),
             "clip_ratio_high": _masked_mean(clipped_high.to(mask.dtype), mask),
             "ratio_mean": _masked_mean(ratio, mask),
-            "is_ratio_mean": _masked_mean(is_weight, mask),
+            "is_ratio_mean": _masked_mean(weight, mask),
             "is_ratio_max": float(masked_is.max()) if masked_is.numel() else 0.0,
-            "is_truncated": _masked_mean((is_raw > is_cap).to(mask.dtype), mask),
+            # share of tokens whose weight was truncated or masked (0 with is_correction "none")
+            "is_truncated": _masked_mean((weight != is_raw).to(mask.dtype), mask),
             "kl": _masked_mean(kl, mask),
         }
     return loss, metrics

@@ -8,6 +8,8 @@ One interface, :class:`WeightSync`, and its backends (DESIGN.md §3.5):
   (cached KV blocks were computed by the old weights) → ``POST /resume``, always, even after a
   failure. Needs ``VLLM_SERVER_DEV_MODE=1``. The model must have untied embeddings (a tied
   ``lm_head`` stays stale) and every version must be a new directory (FACTS.md).
+- :class:`LoraSync` — vLLM loads the trainer's LoRA adapter (``POST /v1/load_lora_adapter``),
+  with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; the base is never touched.
 - :class:`NoSync` — nothing to push; readers follow ``policy.json``.
 
 The RPC answering 200 says nothing about what vLLM serves afterwards, so :func:`verify`
@@ -82,6 +84,81 @@ class NoSync:
 
     def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
         return {"sync_seconds": 0.0}
+
+
+class LoraSync:
+    """Load each version's adapter into vLLM; agents keep calling one stable name.
+
+    vLLM serves an adapter only under the name it was loaded with, and a name cannot be loaded
+    twice unless ``load_inplace`` is set. Each push of version N, from its own new directory:
+
+    1. load it as ``<model_name>-v<N>`` (a new, versioned name: it checks that the adapter loads
+       before anything agents call changes, and lets an evaluation pin a version);
+    2. load it again as ``<model_name>`` with ``load_inplace: true``: the stable name agents call
+       now points at version N. Requests already running finish on the weights they started with
+       or, if they outlive the swap, continue on the new ones (no drain: vLLM has no pause per
+       adapter);
+    3. unload ``<model_name>-v<N-1>``.
+
+    Why in place under one name is exact here: vLLM 0.32 keys prefix-cache blocks by the
+    adapter's (name, path) (``v1/core/kv_cache_utils._gen_lora_extra_hash_keys``), so blocks the
+    previous version computed are never reused once the stable name points at a new path.
+    Reusing a path with new weights does serve them (measured: 0.29 nats off), hence a new
+    directory per version is required and a path pushed twice in a row is refused. The base
+    model must be served under another name than ``model_name``
+    (``lightspan vllm --lora-rank R`` serves it as ``<model_name>-base``).
+    """
+
+    def __init__(self, url: str, model_name: str, *, timeout_s: float = 120.0, retries: int = 3,
+                 backoff_s: float = 0.5):
+        self.url, self.model_name = url.rstrip("/"), model_name
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.loaded: str | None = None          # the versioned name this process loaded last
+        self.serving: Path | None = None
+
+    def versioned_name(self, version: int) -> str:
+        return f"{self.model_name}-v{version}"
+
+    def _post(self, path: str, body: dict) -> requests.Response:
+        try:
+            return post(self.url, path, json=body, timeout_s=self.timeout_s, retries=self.retries,
+                        backoff_s=self.backoff_s)
+        except SyncError as exc:
+            if exc.status == 404 and "lora" not in exc.body.lower():
+                exc.add_note("the route is missing: start vLLM with --enable-lora and "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (lightspan vllm --lora-rank R does)")
+            elif "conflicts with a served base model" in exc.body:
+                exc.add_note(f"vLLM serves the base model as {self.model_name!r}: serve it under another "
+                             "name (lightspan vllm --lora-rank R serves it as '<name>-base')")
+            elif "rank" in exc.body.lower():
+                exc.add_note("start vLLM with --max-lora-rank >= the trainer's lora_r")
+            raise
+
+    def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
+        path = Path(checkpoint_dir).resolve()        # vLLM resolves paths in its own working directory
+        if path == self.serving:
+            raise ValueError(f"vLLM serves {path} already: save each version to a new directory "
+                             "(vLLM's prefix cache is keyed by the adapter's path)")
+        if not (path / "adapter_config.json").is_file() or not any(path.glob("adapter_model.*")):
+            raise FileNotFoundError(f"{path} is not a LoRA adapter (adapter_config.json + adapter_model.*); "
+                                    "vLLM was not asked to load it")
+        t0 = time.monotonic()
+        versioned = self.versioned_name(version)
+        # load_inplace on the versioned name too: a trainer restarted after a failed sync
+        # publishes the same version again, whose name vLLM may still hold
+        self._post("/v1/load_lora_adapter", {"lora_name": versioned, "lora_path": str(path), "load_inplace": True})
+        self._post("/v1/load_lora_adapter", {"lora_name": self.model_name, "lora_path": str(path),
+                                             "load_inplace": True})
+        load_seconds = time.monotonic() - t0
+        if self.loaded is not None and self.loaded != versioned:
+            try:
+                self._post("/v1/unload_lora_adapter", {"lora_name": self.loaded})
+            except SyncError as exc:     # the new version serves: an old name left over is no failure
+                log.warning("could not unload %s: %s", self.loaded, exc)
+        self.loaded, self.serving = versioned, path
+        seconds = time.monotonic() - t0
+        log.info("vLLM at %s serves %s (and %s) from %s, %.3f s", self.url, self.model_name, versioned, path, seconds)
+        return {"sync_seconds": seconds, "sync_rpc_seconds": load_seconds}
 
 
 class ReloadSync:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightspan.trainer.loss import (AGGREGATIONS, BatchTotals, k3_kl, policy_loss, token_logprobs,
+from lightspan.trainer.loss import (AGGREGATIONS, BatchTotals, is_weight, k3_kl, policy_loss, token_logprobs,
                                     truncated_is_weight)
 
 torch.set_num_threads(1)
@@ -35,7 +35,7 @@ def _loss(loss_type, ratio=RATIO, **kwargs):
     return loss, metrics, logprobs
 
 
-@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("loss_type", sorted(EXPECTED))
 def test_loss_value_per_loss_type(loss_type):
     loss, metrics, _ = _loss(loss_type, is_correction="none")
     assert loss.item() == pytest.approx(EXPECTED[loss_type], abs=1e-6)
@@ -152,3 +152,100 @@ def test_token_logprobs_are_those_of_the_tempered_policy():
         assert torch.allclose(got[b], expected, atol=1e-6)
     untempered, _ = token_logprobs(Fixed(), ids, torch.ones_like(ids), mask)
     assert not torch.allclose(got[0], untempered[0])
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    # MiniMax-M1 eq. 4: -sg(min(r, 1 + eps_high)) A log pi, token-level (/ 5 tokens), no lower bound
+    loss, metrics, logprobs = _loss("cispo", is_correction="none")
+    # log pi = log(pi_old r): 0.3 x 1.1, 0.2 x 1.5, 0.4 x 0.5, 0.25 x 1.0, 0.5 x 1.3
+    # weights min(r, 1.28): 1.1, 1.28, 0.5, 1.0, 1.28
+    expected = -(1.1 * 1 * math.log(0.33) + 1.28 * 1 * math.log(0.3) + 0.5 * -2 * math.log(0.2)
+                 + 1.0 * -2 * math.log(0.25) + 1.28 * -2 * math.log(0.65)) / 5
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    loss.backward()
+    # d loss / d log pi = -w A / 5: the clipped tokens (r 1.5 and 1.3) keep a gradient, unlike PPO's clip
+    grad = torch.tensor([[-1.1 / 5, -1.28 / 5, 0.0], [0.5 * 2 / 5, 1.0 * 2 / 5, 1.28 * 2 / 5]])
+    assert torch.allclose(logprobs.grad, grad, atol=1e-6)
+    assert metrics["clip_ratio"] == pytest.approx(2 / 5) and metrics["clip_ratio_high"] == pytest.approx(2 / 5)
+    assert metrics["clip_ratio_low"] == 0
+
+
+def test_cispo_with_one_pass_has_dapos_gradient():
+    old = torch.log(torch.tensor([[0.3, 0.2, 0.1], [0.4, 0.25, 0.5]]))
+    grads = {}
+    for loss_type in ("cispo", "dapo"):
+        logprobs = old.clone().requires_grad_()
+        loss, _ = policy_loss(logprobs, old, ADV, MASK, loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH,
+                              is_correction="none")
+        loss.backward()
+        grads[loss_type] = logprobs.grad
+    assert torch.allclose(grads["cispo"], grads["dapo"]) and grads["cispo"].abs().sum() > 0
+
+
+# pi_old / pi_vllm per token: 3.0 and 0.5 on the trained tokens; the padded third token's
+# behaviour logprob is wild and must count nowhere (not even in the sequence's product)
+IS_OLD = torch.log(torch.tensor([[0.3, 0.2, 0.5]]))
+IS_BEHAVIOUR = IS_OLD - torch.log(torch.tensor([[3.0, 0.5, 100.0]]))
+IS_MASK = torch.tensor([[1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, cap, floor, expected", [
+    ("token_truncate", 2.0, 0.0, [2.0, 0.5]),       # min(rho, C)
+    ("token_truncate", 2.0, 0.6, [2.0, 0.6]),       # and raised to C_min
+    ("token_mask", 2.0, 0.0, [0.0, 0.5]),           # 3.0 > C: dropped
+    ("token_mask", 2.0, 0.6, [0.0, 0.0]),           # 0.5 < C_min: dropped too
+    ("sequence_truncate", 2.0, 0.0, [1.5, 1.5]),    # rho = 3.0 x 0.5 = 1.5 on every token
+    ("sequence_truncate", 1.2, 0.0, [1.2, 1.2]),
+    ("sequence_mask", 2.0, 0.0, [1.5, 1.5]),
+    ("sequence_mask", 1.2, 0.0, [0.0, 0.0]),        # the whole sequence dropped
+])
+def test_importance_sampling_modes(mode, cap, floor, expected):
+    weight, raw = is_weight(IS_OLD, IS_BEHAVIOUR, IS_MASK, mode=mode, cap=cap, floor=floor)
+    assert torch.allclose(weight[0, :2], torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(raw[0, :2], torch.tensor([1.5, 1.5] if mode.startswith("sequence") else [3.0, 0.5]))
+    # through the loss: ratio 1 and A = 1, so the dapo loss is -mean(w) over the 2 trained tokens
+    loss, metrics = policy_loss(IS_OLD.clone(), IS_OLD, torch.tensor([1.0]), IS_MASK, loss_type="dapo",
+                                epsilon=EPS, epsilon_high=EPS_HIGH, behaviour_logprobs=IS_BEHAVIOUR,
+                                is_correction=mode, is_cap=cap, is_floor=floor)
+    assert loss.item() == pytest.approx(-sum(expected) / 2, abs=1e-6)
+    assert metrics["is_ratio_mean"] == pytest.approx(sum(expected) / 2, abs=1e-6)
+    changed = [w != r for w, r in zip(expected, raw[0, :2].tolist())]
+    assert metrics["is_truncated"] == pytest.approx(sum(changed) / 2)
+
+
+def test_unknown_importance_sampling_mode_fails():
+    with pytest.raises(ValueError, match="importance sampling mode"):
+        is_weight(IS_OLD, IS_BEHAVIOUR, IS_MASK, mode="token_clip", cap=2.0)
+
+
+def test_the_trainer_passes_the_objective_options_through(tmp_path, tiny_model):
+    """cispo, sequence-level masking and is_floor reach the loss from the config (trainer/loop.py)."""
+    import pyarrow as pa
+
+    from lightspan.collector import store
+    from lightspan.trainer.config import TrainerConfig
+    from lightspan.trainer.loop import Trainer
+
+    def rows(logprob):
+        return [{"transition_id": f"t{i}", "rollout_id": f"r{i}", "task_id": "t", "prompt_token_ids": [60, 61, 62],
+                 "completion_token_ids": [65 + i, 66, 67], "completion_logprobs": [logprob] * 3, "model_version": 0,
+                 "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0, "created_unix_nano": 1}
+                for i in range(4)]
+
+    def step(name, logprob, **kwargs):
+        cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path / name), sync="none", torch_threads=1,
+                            learning_rate=1e-2, metrics_port=0, **kwargs)
+        store.write_table(cfg.data_dir, "transitions", pa.Table.from_pylist(rows(logprob), schema=store.TRANSITION_SCHEMA))
+        trainer = Trainer(cfg)
+        trainer.load_or_init()
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        row = trainer.train_once()
+        moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        return row, moved
+
+    # the tiny model is near uniform over 260 tokens (log pi ~ -5.56): vLLM's -2.0 makes every
+    # token's rho ~ e^-3.6 and each sequence's ~ e^-10.7, below the floor 0.5: all masked
+    row, moved = step("masked", -2.0, loss_type="cispo", is_correction="sequence_mask", is_floor=0.5)
+    assert row["is_ratio_mean"] == 0 and row["loss"] == 0 and not moved
+    row, moved = step("truncated", -2.0, loss_type="cispo", is_correction="sequence_truncate", is_floor=0.5)
+    assert row["is_ratio_mean"] == pytest.approx(0.5) and row["loss"] != 0 and moved

@@ -16,7 +16,7 @@ from lightspan.collector import store
 from lightspan.models import build_tiny_model
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
-from lightspan.trainer.sync import ReloadSync, SyncError, prompt_logprobs, verify
+from lightspan.trainer.sync import LoraSync, ReloadSync, SyncError, prompt_logprobs, verify
 
 torch.set_num_threads(1)
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ class Stub(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         path = self.path.split("?")[0]
         self.server.calls.append(self.path)
-        self.rfile.read(int(self.headers.get("content-length") or 0))
+        raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.server.bodies.append(json.loads(raw) if raw else None)
         answers = self.server.script.get(path, [(200, {})])
         status, body = answers.pop(0) if len(answers) > 1 else answers[0]
         data = json.dumps(body).encode()
@@ -46,7 +47,7 @@ class Stub(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def stub():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    server.calls, server.script = [], {}
+    server.calls, server.bodies, server.script = [], [], {}
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -103,6 +104,55 @@ def test_sync_error_for_a_server_that_is_not_there(tmp_path):
     assert "ConnectionError" in message and err.value.status is None
     with pytest.raises(SyncError, match="/v1/completions"):
         verify(url, "policy", [1, 2, 3], [0.0, 0.0], retries=0)
+
+
+def fake_adapter(path):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_lora_push_loads_a_versioned_name_points_the_stable_one_at_it_and_unloads_the_last(stub, tmp_path):
+    stub.script["/v1/load_lora_adapter"] = [(503, {"error": "busy"}), (200, {})]
+    sync = LoraSync(stub.url, "policy", backoff_s=0)
+    v1, v2 = fake_adapter(tmp_path / "v000001"), fake_adapter(tmp_path / "v000002")
+    sync.push(v1, 1)
+    metrics = sync.push(v2, 2)
+    load = "/v1/load_lora_adapter"
+    assert stub.calls == [load, load, load, load, load, "/v1/unload_lora_adapter"]   # the first 503 retried
+    assert stub.bodies[1:] == [
+        {"lora_name": "policy-v1", "lora_path": str(v1.resolve()), "load_inplace": True},
+        {"lora_name": "policy", "lora_path": str(v1.resolve()), "load_inplace": True},
+        {"lora_name": "policy-v2", "lora_path": str(v2.resolve()), "load_inplace": True},
+        {"lora_name": "policy", "lora_path": str(v2.resolve()), "load_inplace": True},
+        {"lora_name": "policy-v1"}]
+    assert metrics["sync_seconds"] >= metrics["sync_rpc_seconds"] >= 0 and sync.loaded == "policy-v2"
+    with pytest.raises(ValueError, match="new directory"):
+        sync.push(v2, 3)                                   # vLLM's prefix cache is keyed by the path
+    with pytest.raises(FileNotFoundError, match="not a LoRA adapter"):
+        sync.push(fake_checkpoint(tmp_path / "full"), 3)  # checked before vLLM sees it
+    assert len(stub.calls) == 6
+
+
+def test_lora_push_errors_say_how_to_start_vllm(stub, tmp_path):
+    stub.script["/v1/load_lora_adapter"] = [(404, {"detail": "Not Found"})]
+    with pytest.raises(SyncError) as err:
+        LoraSync(stub.url, "policy").push(fake_adapter(tmp_path / "a"), 1)
+    assert err.value.status == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in err.value.__notes__[0]
+    stub.script["/v1/load_lora_adapter"] = [(400, {"error": {"message": "The lora adapter 'policy' conflicts "
+                                                                        "with a served base model."}})]
+    with pytest.raises(SyncError) as err:
+        LoraSync(stub.url, "policy").push(fake_adapter(tmp_path / "b"), 1)
+    assert err.value.attempts == 1 and "serve it under another name" in err.value.__notes__[0]
+    # a failed unload of the old name is logged, not raised: the new version serves already
+    stub.script["/v1/load_lora_adapter"] = [(200, {})]
+    stub.script["/v1/unload_lora_adapter"] = [(404, {"error": {"message": "The lora adapter 'policy-v1' "
+                                                                          "cannot be found."}})]
+    sync = LoraSync(stub.url, "policy")
+    sync.loaded = "policy-v1"
+    sync.push(fake_adapter(tmp_path / "c"), 2)
+    assert sync.loaded == "policy-v2"
 
 
 # ---- the real vLLM server -----------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""The trainer's Prometheus metrics: ``GET /metrics`` in the Prometheus text format (0.0.4).
+
+A hand-written exposition (a dozen metrics, no labels) rather than a dependency: the trainer
+updates :class:`TrainerMetrics` after each step and each weight sync, and
+:class:`MetricsServer` serves it from a daemon thread. The names are a contract with the
+Grafana dashboards (dashboards/grafana/); each is explained in its HELP line, which is its
+documentation. A gauge is absent from the page until its first value (no step yet: no
+``loss``), so a dashboard shows "no data" rather than a made-up 0.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import math
+import threading
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lightspan_trainer_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name (without PREFIX) -> (HELP, the key of the train_steps row it comes from)
+GAUGES: dict[str, tuple[str, str]] = {
+    "step": ("Optimizer steps taken in this run's lineage (equals the policy version).", "step"),
+    "policy_version": ("The policy version the trainer last published (0: the initial model).", "policy_version"),
+    "reward_mean": ("Mean reward over the rollouts of the last step's fresh transitions.", "reward_mean"),
+    "advantage_std": ("Standard deviation of the advantages of the last step's trained transitions.",
+                      "advantage_std"),
+    "loss": ("Policy loss of the last step (mean over its passes).", "loss"),
+    "kl": ("Mean per-token k3 KL to the reference model in the last step (0 when beta is 0).", "kl"),
+    "clip_ratio": ("Share of the last step's tokens whose ratio (or CISPO weight) was clipped.", "clip_ratio"),
+    "entropy": ("Mean per-token entropy of the policy over the last step's completion tokens (nats).", "entropy"),
+    "is_ratio_mean": (("Mean importance-sampling weight pi_old / pi_vllm after truncation or masking, "
+                       "last step."), "is_ratio_mean"),
+    "tokens_per_second": (("Trained completion tokens per second of the last optimisation step "
+                           "(forward, backward, optimizer; not the sync)."), "tokens_per_second"),
+    "staleness_mean": (("Mean policy versions between the trainer and the policy that sampled the last "
+                        "step's transitions."), "staleness_mean"),
+}
+# name (without PREFIX, with _total) -> (HELP, the row key added per step, or None)
+COUNTERS: dict[str, tuple[str, str | None]] = {
+    "transitions_trained_total": ("Transitions trained on.", "num_transitions"),
+    "transitions_skipped_stale_total": (("Transitions skipped as more than max_staleness versions old "
+                                         "(or of unknown version)."), "skipped_stale"),
+    "sync_failures_total": ("Weight syncs that failed (SyncError).", None),
+}
+HISTOGRAM = "sync_seconds"
+HISTOGRAM_HELP = "Wall time of a weight sync into vLLM (save excluded, verification excluded), seconds."
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class TrainerMetrics:
+    """Current values of the trainer's metrics; thread-safe (the server reads, the loop writes)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.gauges: dict[str, float] = {}
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.bucket_counts = [0] * len(BUCKETS)
+        self.sync_sum = 0.0
+        self.sync_count = 0
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            self.gauges["step"] = self.gauges["policy_version"] = float(version)
+
+    def observe_step(self, row: dict) -> None:
+        """Take a train_steps row (``Trainer.publish``'s): set the gauges, add to the counters."""
+        with self._lock:
+            for name, (_, key) in GAUGES.items():
+                if row.get(key) is not None:
+                    self.gauges[name] = float(row[key])
+            for name, (_, key) in COUNTERS.items():
+                if key is not None and row.get(key) is not None:
+                    self.counters[name] += float(row[key])
+
+    def observe_sync(self, seconds: float) -> None:
+        with self._lock:
+            self.sync_sum += seconds
+            self.sync_count += 1
+            for i, bound in enumerate(BUCKETS):
+                if seconds <= bound:
+                    self.bucket_counts[i] += 1
+
+    def sync_failed(self) -> None:
+        with self._lock:
+            self.counters["sync_failures_total"] += 1
+
+    def render(self) -> str:
+        """The exposition page."""
+        out: list[str] = []
+        with self._lock:
+            for name, (help_, _) in GAUGES.items():
+                out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} gauge"]
+                if name in self.gauges:
+                    out.append(f"{PREFIX}{name} {_number(self.gauges[name])}")
+            for name, (help_, _) in COUNTERS.items():
+                out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter",
+                        f"{PREFIX}{name} {_number(self.counters[name])}"]
+            h = PREFIX + HISTOGRAM
+            out += [f"# HELP {h} {HISTOGRAM_HELP}", f"# TYPE {h} histogram"]
+            for bound, count in zip(BUCKETS, self.bucket_counts):     # counts are cumulative already
+                out.append(f'{h}_bucket{{le="{_number(bound)}"}} {count}')
+            out += [f"{h}_sum {_number(self.sync_sum)}", f"{h}_count {self.sync_count}"]
+        return "\n".join(out) + "\n"
+
+
+class MetricsServer:
+    """``GET /metrics`` over HTTP from a daemon thread; ``stop`` is idempotent."""
+
+    def __init__(self, metrics: TrainerMetrics, host: str, port: int):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.host, self.port = host, self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.2,),
+                                        name="trainer-metrics", daemon=True)
+        self._thread.start()
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+
+def start_server(metrics: TrainerMetrics, host: str, port: int) -> MetricsServer | None:
+    """A running server, or None when ``port`` is 0 or cannot be bound: monitoring that fails to
+    start is logged, and training goes on without it."""
+    if not port:
+        return None
+    try:
+        return MetricsServer(metrics, host, port)
+    except OSError as exc:
+        log.error("cannot serve Prometheus metrics on %s:%d (%s); training without them "
+                  "(pass --metrics-port to pick another port, 0 to disable)", host, port, exc)
+        return None
