@@ -441,7 +441,7 @@ class Trainer:
             except SyncError as exc:
                 error = ("sync", (exc.endpoint, exc.status, exc.body, exc.attempts))
                 raised = exc
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- any error: the other ranks must hear of it, not hang
                 error = ("other", f"{type(exc).__name__}: {exc}")
                 raised = exc
         result, error = self._from_main((result, error))
