@@ -46,9 +46,11 @@ def enabled() -> bool:
 
 
 @contextmanager
-def progress(description: str, total: float | None = None, *, unit: str = "") -> Iterator[_Bar | _Null]:
-    """A progress bar for one job; ``total=None`` shows a spinner with a count."""
-    if not enabled():
+def progress(description: str, total: float | None = None, *, unit: str = "",
+             show: bool = True) -> Iterator[_Bar | _Null]:
+    """A progress bar for one job; ``total=None`` shows a spinner with a count. ``show=False``
+    (e.g. on every rank but rank 0) gives the bar that does nothing."""
+    if not (show and enabled()):
         yield _Null()
         return
     from rich.console import Console

@@ -54,6 +54,7 @@ import torch
 
 from lightspan.collector import store
 from lightspan.config import to_dict
+from lightspan.progress import progress
 from lightspan.trainer.config import TrainerConfig, parse_duration
 from lightspan.trainer.lora import reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
@@ -619,20 +620,27 @@ def run(config: TrainerConfig) -> int:
             return 0
         period = parse_duration(config.every) if config.mode == "every" else config.poll_interval_s
         steps, deadline = 0, time.monotonic()
-        while not trainer._from_main(stop.is_set()):     # ranks stop together, at rank 0's signal
-            row = trainer.train_once()
-            steps += row is not None
-            if config.max_steps and steps >= config.max_steps:
-                log.info("stopping after %d steps (max_steps)", steps)
-                break
-            if config.mode == "continuous":
-                if row is None:              # more data may be waiting: poll again only when idle
-                    stop.wait(period)
-            else:
-                if row is None:
-                    log.info("nothing to train this round")
-                deadline = max(deadline + period, time.monotonic())   # a step past its slot skips ticks
-                stop.wait(deadline - time.monotonic())
+        with progress(f"training ({config.mode})", config.max_steps or None, unit="steps",
+                      show=trainer.accelerator.is_main_process) as bar:
+            while not trainer._from_main(stop.is_set()):     # ranks stop together, at rank 0's signal
+                row = trainer.train_once()
+                steps += row is not None
+                if row is not None:
+                    bar.advance()
+                    reward = row.get("reward_mean")
+                    bar.update(f"version {row['policy_version']}"
+                               + ("" if reward is None else f", reward {reward:.3f}"))
+                if config.max_steps and steps >= config.max_steps:
+                    log.info("stopping after %d steps (max_steps)", steps)
+                    break
+                if config.mode == "continuous":
+                    if row is None:              # more data may be waiting: poll again only when idle
+                        stop.wait(period)
+                else:
+                    if row is None:
+                        log.info("nothing to train this round")
+                    deadline = max(deadline + period, time.monotonic())   # a step past its slot skips ticks
+                    stop.wait(deadline - time.monotonic())
         return 0
     except SyncError as exc:
         log.error("%s", exc)
