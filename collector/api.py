@@ -21,6 +21,7 @@ at most ``max_rows`` rows come back (``truncated`` says there were more).
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import decimal
 import hashlib
@@ -138,6 +139,45 @@ def sql_connection(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+class Deadline:
+    """A timer that interrupts ``con``'s running query after ``timeout_s`` once started."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, timeout_s: float):
+        self._con = con
+        self._fired = threading.Event()
+        self._timer = threading.Timer(timeout_s, self._interrupt)
+        self._timer.daemon = True
+
+    def _interrupt(self) -> None:
+        self._fired.set()
+        try:
+            self._con.interrupt()
+        except duckdb.Error:   # the query finished and the connection closed meanwhile
+            pass
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def is_set(self) -> bool:
+        """Whether the time ran out (and the query was interrupted)."""
+        return self._fired.is_set()
+
+
+@contextlib.contextmanager
+def time_limit(con: duckdb.DuckDBPyConnection, timeout_s: float, *, start: bool = False):
+    """A :class:`Deadline` on ``con``, started now with ``start`` (else by ``.start()``), cancelled on exit."""
+    deadline = Deadline(con, timeout_s)
+    if start:
+        deadline.start()
+    try:
+        yield deadline
+    finally:
+        deadline.cancel()
+
+
 def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int) -> dict:
     """Run one read-only statement; returns ``{"columns", "types", "rows", "row_count",
     "truncated", "elapsed_s"}``. Raises :class:`BadRequest` with DuckDB's message on any error."""
@@ -148,35 +188,24 @@ def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int) 
         con = sql_connection(data_dir)
     except duckdb.Error as exc:
         raise BadRequest(f"cannot open the store: {exc}") from None
-    timed_out = threading.Event()
-
-    def interrupt() -> None:
-        timed_out.set()
-        try:
-            con.interrupt()
-        except duckdb.Error:   # the query finished and the connection closed meanwhile
-            pass
-
-    timer = threading.Timer(timeout_s, interrupt)
-    timer.daemon = True
     try:
-        statements = con.extract_statements(sql)
-        if len(statements) != 1:
-            raise BadRequest(f"send exactly one statement, got {len(statements)}")
-        if statements[0].type not in _READ_ONLY:
-            raise BadRequest(f"only SELECT and EXPLAIN are allowed here, got {statements[0].type.name}: "
-                             "the SQL endpoint is read-only")
-        timer.start()
-        cursor = con.execute(sql)
-        columns = [d[0] for d in cursor.description or []]
-        types = [str(d[1]) for d in cursor.description or []]
-        rows = cursor.fetchmany(max_rows + 1)   # one more than allowed tells us it was truncated
+        with time_limit(con, timeout_s) as timed_out:
+            statements = con.extract_statements(sql)
+            if len(statements) != 1:
+                raise BadRequest(f"send exactly one statement, got {len(statements)}")
+            if statements[0].type not in _READ_ONLY:
+                raise BadRequest(f"only SELECT and EXPLAIN are allowed here, got {statements[0].type.name}: "
+                                 "the SQL endpoint is read-only")
+            timed_out.start()
+            cursor = con.execute(sql)
+            columns = [d[0] for d in cursor.description or []]
+            types = [str(d[1]) for d in cursor.description or []]
+            rows = cursor.fetchmany(max_rows + 1)   # one more than allowed tells us it was truncated
     except duckdb.Error as exc:
         if timed_out.is_set():
             raise BadRequest(f"the query ran past sql_timeout_s={timeout_s:g} s and was interrupted") from None
         raise BadRequest(f"{type(exc).__name__}: {exc}") from None
     finally:
-        timer.cancel()
         con.close()
     truncated = len(rows) > max_rows
     rows = rows[:max_rows]

@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from lightspan.collector.jsonlog import FORMATS
 from lightspan.config import ConfigError, option
 
 SECTION = "collector"
@@ -69,6 +70,15 @@ class CollectorConfig:
         "Compact a date partition (merge its small Parquet files into one, sorted by rollout and time) "
         "once it holds more than this many small files; the writer checks after each flush. 0 = only "
         "when Collector.compact() is called.")
+    log_format: str = option(
+        "json",
+        "Log lines of the collector service on stderr: \"json\" (one object per line: ts, level, logger, "
+        "msg, then the event's fields; for log shippers) or \"text\" (for a terminal).",
+        choices=FORMATS)
+    log_refusals_every_s: float = option(
+        10.0,
+        "Refused exports (bad data, queue full, disk) are logged as warnings at most once per reason "
+        "this often, with the number left out since the last line; every refusal is counted in /metrics.")
     retention_days: int = option(
         0,
         "Delete whole date partitions of spans and logs whose day ended this many days ago or more "
@@ -122,6 +132,12 @@ class CollectorConfig:
             fail("sql_timeout_s", f"{self.sql_timeout_s!r} is not a positive number of seconds", "use e.g. 10")
         if not is_int(self.sql_max_rows) or self.sql_max_rows <= 0:
             fail("sql_max_rows", f"{self.sql_max_rows!r} is not a positive number of rows", "use e.g. 10000")
+        if self.log_format not in FORMATS:
+            fail("log_format", f"{self.log_format!r} is not a log format", 'use "json" or "text"')
+        if (not isinstance(self.log_refusals_every_s, (int, float)) or isinstance(self.log_refusals_every_s, bool)
+                or not math.isfinite(self.log_refusals_every_s) or self.log_refusals_every_s < 0):
+            fail("log_refusals_every_s", f"{self.log_refusals_every_s!r} is not a number of seconds >= 0",
+                 "use e.g. 10 (0 logs every refusal)")
         for name in ("compact_min_files", "retention_days"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:

@@ -9,7 +9,8 @@ decompression (413).
 
 API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flush``,
 ``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST /v1/sql``
-``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL). API answers are JSON; errors are
+``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), the web UI (``GET /ui/``, open) and its
+JSON (``GET /api/ui/...``, see :mod:`lightspan.dashboards.web`). API answers are JSON; errors are
 ``{"error": message}`` with 400 for the client's mistakes and never 500 for its data.
 
 With ``tls_cert_file``/``tls_key_file`` both servers speak HTTPS; the TLS handshake runs in the
@@ -23,6 +24,7 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +35,7 @@ from google.protobuf import json_format
 
 from lightspan.collector import api
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome
+from lightspan.dashboards import web
 
 if TYPE_CHECKING:
     from lightspan.collector.server import Collector
@@ -45,7 +48,8 @@ _SIGNALS = {TRACES_PATH: "traces", LOGS_PATH: "logs"}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 DRAIN_LIMIT = 8 << 20         # bytes of a refused body read and thrown away before hanging up
-_API_ROUTES = "GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql"
+_API_ROUTES = ("GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql, "
+               "GET /ui/ (web UI), GET /api/ui/...")
 
 
 class HTTPServer(ThreadingHTTPServer):
@@ -74,6 +78,9 @@ class HTTPServer(ThreadingHTTPServer):
             self.shutdown_request(tls_request)    # the caller closes the plain socket, now detached
 
     def handle_error(self, request, client_address) -> None:  # the stdlib prints to stderr
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):   # the client left mid-answer
+            log.debug("%s closed the connection before the answer was written", client_address)
+            return
         log.exception("unexpected error serving %s", client_address)
 
 
@@ -116,6 +123,9 @@ def authorized(header: str | None, token: str) -> bool:
 
 class BaseHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: the exporters reuse their connection
+    # TCP_NODELAY: the headers and the body go out in two writes; with Nagle the second waits for
+    # the client's delayed ACK (40 ms a request on Linux loopback)
+    disable_nagle_algorithm = True
     server_version = "lightspan-collector"
     timeout = 60                    # an idle keep-alive connection is closed after this
 
@@ -264,7 +274,7 @@ def _decompress(body: bytes, wbits: int, cap: int, collector: "Collector") -> by
 
 
 class APIHandler(BaseHandler):
-    """The API port: health, metrics, flush, late rewards, read-only SQL."""
+    """The API port: health, metrics, flush, late rewards, read-only SQL, the web UI."""
 
     _GET = ("/healthz", "/metrics", "/v1/sql")
     _POST = ("/v1/flush", "/v1/rewards", "/v1/sql")
@@ -274,6 +284,12 @@ class APIHandler(BaseHandler):
         if url.path == "/healthz":   # open without the token: load balancers and probes call it
             ok = self.collector.running
             return self.send_json(200 if ok else 503, {"status": "ok" if ok else "stopping"})
+        if url.path in ("/", "/ui") or url.path.startswith(web.UI_PREFIX):   # the UI's files hold no data: open
+            return self.send_response_of(web.static(url.path))
+        if url.path.startswith(web.API_PREFIX):
+            if self.allowed():
+                self.send_response_of(web.api(url.path, url.query, self.collector))
+            return
         if url.path not in self._GET:
             if url.path in self._POST:
                 return self.not_allowed("POST")
@@ -303,6 +319,9 @@ class APIHandler(BaseHandler):
         if path == "/v1/rewards":
             return self.rewards(doc)
         self.sql(doc.get("sql") if isinstance(doc, dict) else None)
+
+    def send_response_of(self, response: "web.Response") -> None:
+        self.send(response.status, response.body, response.content_type, response.headers)
 
     def allowed(self) -> bool:
         refused = self.check_auth()

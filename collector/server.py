@@ -23,7 +23,9 @@ retention in :mod:`lightspan.collector.compact`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
@@ -37,7 +39,7 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan.collector import compact as compaction
-from lightspan.collector import httpd, store
+from lightspan.collector import httpd, jsonlog, store
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics
@@ -87,6 +89,7 @@ class Collector:
         self._state = "new"           # new → running → stopped (→ running again)
         self._compact_lock = threading.Lock()
         self._retired: list[tuple[float, list[Path]]] = []   # (remove after, files) merged by compaction
+        self._refusal_log = jsonlog.RateLimit(config.log_refusals_every_s)
         self._reset()
 
     def _reset(self) -> None:
@@ -281,7 +284,10 @@ class Collector:
     def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:
         """Count a refused request and describe it (transports use this for their own checks)."""
         self.metrics.refused(outcome)
-        log.debug("request refused (%s): %s", outcome.value, message)
+        suppressed = self._refusal_log.check(outcome.value)
+        if suppressed is not None:   # one line per reason and interval: a retry loop must not flood the log
+            log.warning("export refused (%s): %s", outcome.value, message,
+                        extra={"reason": outcome.value, "signal": signal, "suppressed": suppressed})
         return ExportResult(outcome, message, signal=signal)
 
     # --- Parquet ---
@@ -319,7 +325,11 @@ class Collector:
                 self._queue_bytes -= sum(size for _, _, size in items)
             self.metrics.add("spans_written_total", written["spans"])
             self.metrics.add("log_records_written_total", written["logs"])
-            self.metrics.observe_flush(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.observe_flush(seconds)
+            log.info("flushed %d spans and %d log records to Parquet", written["spans"], written["logs"],
+                     extra={"spans": written["spans"], "log_records": written["logs"], "wal_segments": len(closed),
+                            "seconds": round(seconds, 4)})
             return written
 
     def _write(self, signal: str, tables: list[pa.Table]) -> int:
@@ -343,6 +353,7 @@ class Collector:
         segments = self._wal.closed_segment_ids()
         if not segments:
             return
+        start, skipped = time.perf_counter(), 0
         tables = {signal_: [] for signal_ in _SIGNALS}
         batch_bytes, counts = 0, dict.fromkeys(_SIGNALS, 0)
         for payload in self._wal.replay(segments):
@@ -352,6 +363,7 @@ class Collector:
                 request = kind["protobuf"](payload[len(LOGS_TAG):] if signal_ == "logs" else payload)
             except DecodeError as exc:   # a CRC-valid record that is not a request: keep going
                 log.warning("WAL replay: skipping an undecodable record: %s", exc)
+                skipped += 1
                 continue
             table, _, _ = kind["flatten"](request, time.time_ns())
             tables[signal_].append(table)
@@ -368,7 +380,9 @@ class Collector:
         self.metrics.add("spans_written_total", counts["traces"])
         self.metrics.add("log_records_written_total", counts["logs"])
         log.info("replayed %d spans and %d log records from %d WAL segments into Parquet",
-                 counts["traces"], counts["logs"], len(segments))
+                 counts["traces"], counts["logs"], len(segments),
+                 extra={"spans": counts["traces"], "log_records": counts["logs"], "wal_segments": len(segments),
+                        "skipped_records": skipped, "seconds": round(time.perf_counter() - start, 4)})
 
     def _writer_loop(self) -> None:
         interval = min(self.config.flush_interval_s, threading.TIMEOUT_MAX)
@@ -408,7 +422,8 @@ class Collector:
                     merged += len(files)
                     self.metrics.add("compactions_total")
                     self.metrics.add("files_compacted_total", len(files))
-                    log.info("compacted %d files of %s/%s", len(files), table, partition.name)
+                    log.info("compacted %d files of %s/%s", len(files), table, partition.name,
+                             extra={"table": table, "partition": partition.name, "files": len(files)})
         self._sweep()
         return merged
 
@@ -430,7 +445,8 @@ class Collector:
                 removed += [f"{table}/{name}" for name in names]
         if removed:
             self.metrics.add("partitions_expired_total", len(removed))
-            log.info("retention (%d days) removed %s", self.config.retention_days, ", ".join(removed))
+            log.info("retention (%d days) removed %s", self.config.retention_days, ", ".join(removed),
+                     extra={"retention_days": self.config.retention_days, "partitions": removed})
         return removed
 
     # --- gRPC transport ---
@@ -461,8 +477,18 @@ class Collector:
 
 # --- the service -----------------------------------------------------------------------------
 
+def config_summary(config: CollectorConfig) -> dict:
+    """Every config field, for the start-up log line; secrets are only said to be set."""
+    summary = dataclasses.asdict(config)
+    summary["auth_token"] = "<set>" if config.auth_token else ""
+    return summary
+
+
 def serve(config: CollectorConfig) -> int:
-    """Run a collector until SIGINT or SIGTERM; returns the process exit code."""
+    """Run a collector until SIGINT or SIGTERM; returns the process exit code.
+
+    The process's log lines are formatted by ``config.log_format`` (JSON lines by default)."""
+    jsonlog.configure(config.log_format)
     done = threading.Event()
 
     def on_signal(signum, _frame) -> None:
@@ -485,7 +511,9 @@ def serve(config: CollectorConfig) -> int:
         log.info("lightspan collector: OTLP/gRPC %s:%d%s, OTLP/HTTP %s://%s:%d%s and %s, API %s://%s:%d, "
                  "data in %s%s", host, collector.grpc_port, " (TLS)" if config.tls_cert_file else "",
                  scheme, host, collector.http_port, TRACES_PATH, LOGS_PATH, scheme, host, collector.api_port,
-                 collector.data_dir, ", bearer token required" if config.auth_token else "")
+                 collector.data_dir, ", bearer token required" if config.auth_token else "",
+                 extra={"event": "started", "grpc_port": collector.grpc_port, "http_port": collector.http_port,
+                        "api_port": collector.api_port, "pid": os.getpid(), "config": config_summary(config)})
         while not done.wait(3600):
             pass
         return 0

@@ -32,6 +32,10 @@ _JOBS = {
               "GRPO on stored transitions; push new weights into the running vLLM"),
     "demo": ("lightspan.demo:DemoConfig", "demo",
              "the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation"),
+    "status": ("lightspan.dashboards.status:StatusConfig", "status",
+               "summarise the data directory, the inference server and the latest training run"),
+    "experiment": ("lightspan.experiment:ExperimentConfig", "experiment",
+                   "train any agent on its train/val task files; write the learning curve (PNG + JSON)"),
 }
 
 
@@ -134,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             return run(cfg)
         if args.job == "demo":
             from lightspan.demo import run
+            return run(cfg)
+        if args.job == "status":
+            from lightspan.dashboards.status import run
+            return run(cfg)
+        if args.job == "experiment":
+            from lightspan.experiment import run
             return run(cfg)
     except ConfigError as e:
         logging.getLogger("lightspan").error("%s", e)

@@ -49,11 +49,30 @@ def with_capture(body: dict, operation: str) -> dict:
     return body
 
 
+def asked_for_logprobs(body: dict, operation: str) -> bool:
+    """Whether the caller itself asked for logprobs (before :func:`with_capture` adds them)."""
+    if operation == CHAT:
+        return bool(body.get("logprobs"))
+    return body.get("logprobs") is not None
+
+
 def _get(obj, name: str):
-    """A field of a JSON dict or of an openai object (vLLM's extra fields included)."""
+    """A field of a JSON dict or of an openai object (vLLM's extra fields included).
+
+    An openai object is a pydantic model: its fields are in ``__dict__`` and vLLM's extra fields in
+    ``__pydantic_extra__``. Reading those directly skips pydantic's ``__getattr__``, which costs
+    microseconds per absent name (an exception each): per stream chunk, that was most of our cost.
+    """
     if isinstance(obj, dict):
         return obj.get(name)
-    return getattr(obj, name, None)
+    try:
+        extra = obj.__pydantic_extra__
+        fields = obj.__dict__
+    except AttributeError:
+        return getattr(obj, name, None)
+    if name in fields:
+        return fields[name]
+    return extra.get(name) if extra else None
 
 
 class _Choice:
@@ -69,8 +88,11 @@ class _Choice:
 class Capture:
     """Token ids and logprobs of one call, from its response or from its stream chunks in order."""
 
-    def __init__(self, operation: str):
+    def __init__(self, operation: str, *, caller_logprobs: bool = True):
         self.operation = operation
+        self.caller_logprobs = caller_logprobs  # False: only lightspan asked (the instrumentor hides them)
+        self.fed = 0  # payloads folded in so far
+        self.readable = True  # False once a payload could not be read (the instrumentor sets it)
         self.prompt_ids = None
         self.model = None
         self.choices: dict[int, _Choice] = {}
@@ -78,6 +100,7 @@ class Capture:
 
     def add(self, payload) -> None:
         """Fold in one non-streaming response or one stream chunk."""
+        self.fed += 1
         choices = _get(payload, "choices")
         if choices is None:
             return

@@ -20,11 +20,26 @@ span the OpenAI instrumentation opened (traceloop's or OTel's), so the attribute
    installed, or a framework's LLM span encloses the client's), the ids go on the innermost and
    the enclosing one is marked ``capture.status=duplicate`` with ``capture.duplicate_of`` = the
    inner span id. Seeing the enclosing span needs a span processor on the SDK tracer provider,
-   added at ``instrument()``; with no SDK there are no spans to mark.
+   added at ``instrument()``; with no SDK there are no spans to mark;
+6. a framework instrumentation may open the call's LLM span *without* making it current and ask
+   the instrumentations below it to stand aside (traceloop's LangChain instrumentation: it starts
+   ``ChatOpenAI.chat``, detaches it and sets ``suppress_language_model_instrumentation``). Under
+   that flag the ids go on the LLM span most recently started in this context, if it is still
+   open and holds no capture yet, instead of on a span of our own: one call, one LLM span;
+7. raw responses (``with_raw_response``, as LangChain's ``ChatOpenAI`` calls; ``client.post`` with
+   the raw-response header, as LiteLLM calls, bypassing ``chat.completions.create`` and so the
+   OpenAI instrumentation) are parsed through their own cache, so the caller gets the same object;
+8. the ids and logprobs are read from the JSON the client decoded, before it builds its models
+   (a hook on ``BaseClient._process_response_data``, active only inside a captured call), and the
+   logprobs only lightspan asked for are dropped there: the caller gets ``logprobs: null`` as vLLM
+   answers a request without them, and the client builds no model per token for them — that
+   model building was most of capture's cost (bench/capture_overhead.py). Where the hook does not
+   fire, the parsed objects are read instead.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import weakref
@@ -32,6 +47,7 @@ from collections.abc import Collection
 from contextlib import nullcontext
 from urllib.parse import urlsplit
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import unwrap
@@ -42,6 +58,7 @@ from wrapt import wrap_function_wrapper
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import (  # noqa: F401  (re-exported: the instrumentor's API)
     Capture,
+    asked_for_logprobs,
     attributes_from_response,
     operation as _operation,
     with_capture,
@@ -52,6 +69,9 @@ log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 _TRACER_NAME = "lightspan.instrumentor"
 _LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content"})
+# the context key (opentelemetry-semantic-conventions-ai) with which a framework's instrumentation
+# that already opened the call's LLM span tells the client instrumentations below it to stand aside
+_SUPPRESS_LLM_KEY = "suppress_language_model_instrumentation"
 
 
 def capture_urls() -> list[str]:
@@ -93,11 +113,30 @@ class _Nesting(SpanProcessor):
 
     def __init__(self):
         self.enclosing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the span most recently started in this context (thread or task), weakly: a framework's
+        # LLM span that was started but not made current is found through it (docstring, 6.)
+        self.last_started: contextvars.ContextVar = contextvars.ContextVar("lightspan_last_started", default=None)
         self.active = True
+
+    def pending_llm_span(self):
+        """The LLM span just started here but not current, when a framework asked for suppression."""
+        if not otel_context.get_value(_SUPPRESS_LLM_KEY):
+            return None
+        ref = self.last_started.get()
+        span = ref() if ref is not None else None
+        if span is None or not span.is_recording() or not is_llm_span(span):
+            return None
+        if semconv.CAPTURE_STATUS in span.attributes:  # already holds another call's capture
+            return None
+        return span
 
     def on_start(self, span, parent_context=None) -> None:
         if not self.active:
             return
+        try:
+            self.last_started.set(weakref.ref(span))
+        except TypeError:  # a span type that cannot be weakly referenced
+            pass
         parent = trace.get_current_span(parent_context)
         if not parent.is_recording():
             return
@@ -110,6 +149,9 @@ class _Nesting(SpanProcessor):
 
 
 _NESTING = _Nesting()
+# the capture whose response the openai client is decoding right now (set around the call, and
+# around each stream chunk's read): the JSON hook feeds it
+_FEEDING: contextvars.ContextVar = contextvars.ContextVar("lightspan_feeding", default=None)
 _PROVIDERS: weakref.WeakSet = weakref.WeakSet()
 _tracer_provider = None
 
@@ -125,14 +167,15 @@ def _mark_enclosing(inner) -> None:
 
 
 def _prepare(instance, args, kwargs):
-    """(operation, stream?, kwargs to call with) for a call to capture; operation None otherwise."""
+    """(capture, stream?, kwargs to call with) for a call to capture; capture None otherwise."""
     path = args[0] if args else kwargs.get("path", "")
     body = kwargs.get("body")
     if not isinstance(body, dict) or not should_capture(getattr(instance, "base_url", ""), path, capture_urls()):
         return None, False, kwargs
     op = _operation(path)
     stream = bool(kwargs.get("stream") or body.get("stream"))
-    return op, stream, {**kwargs, "body": with_capture(body, op)}
+    cap = Capture(op, caller_logprobs=asked_for_logprobs(body, op))
+    return cap, stream, {**kwargs, "body": with_capture(body, op)}
 
 
 def _target(op: str, kwargs):
@@ -143,6 +186,11 @@ def _target(op: str, kwargs):
         _mark_enclosing(current)
         _sampling(current, body)
         return current, False
+    pending = _NESTING.pending_llm_span() if _NESTING.active else None
+    if pending is not None:
+        _mark_enclosing(pending)
+        _sampling(pending, body)
+        return pending, False
     model = body.get("model", "")
     span = trace.get_tracer(_TRACER_NAME, tracer_provider=_tracer_provider).start_span(
         f"{op} {model}".strip(), kind=trace.SpanKind.CLIENT,
@@ -163,6 +211,9 @@ def _sampling(span, body: dict) -> None:
 def _record(span, cap: Capture, owned: bool) -> None:
     if not span.is_recording():
         return
+    if not cap.readable:
+        span.set_attribute(semconv.CAPTURE_STATUS, "capture_error")
+        return
     try:
         attrs = cap.attributes(model_version())
         if owned:
@@ -180,33 +231,59 @@ def _failed(span, owned: bool, exc: BaseException) -> None:
         span.end()
 
 
-def _add(cap: Capture, chunk) -> bool:
+def _add(cap: Capture, payload) -> None:
+    """Fold a response or chunk (decoded JSON, or the client's parsed object) into ``cap``; then,
+    when only lightspan asked for logprobs, hand the caller what vLLM answers a request without
+    them (``logprobs: null``): frameworks act on the field (LangChain copies it into
+    ``response_metadata``), and the client and the OpenAI instrumentation would process them for
+    nothing. An unreadable payload marks the capture unreadable; the caller's call goes on."""
     try:
-        cap.add(chunk)
-        return True
+        cap.add(payload)
+        if not cap.caller_logprobs:
+            choices = payload.get("choices") if isinstance(payload, dict) else getattr(payload, "choices", None)
+            for choice in choices or ():
+                if isinstance(choice, dict):
+                    if choice.get("logprobs") is not None:
+                        choice["logprobs"] = None
+                elif getattr(choice, "logprobs", None) is not None:
+                    choice.logprobs = None
     except Exception:
-        log.debug("lightspan: unreadable stream chunk", exc_info=True)
-        return False
+        log.debug("lightspan: unreadable response or stream chunk", exc_info=True)
+        cap.readable = False
 
 
-def _end_of_stream(span, cap: Capture, owned: bool, readable: bool) -> None:
-    if readable:
-        _record(span, cap, owned)
-    elif span.is_recording():
-        span.set_attribute(semconv.CAPTURE_STATUS, "capture_error")
+def _process_data(wrapped, instance, args, kwargs):
+    """``BaseClient._process_response_data``: feeds the decoded JSON of a captured call to its
+    capture before the client builds its models (module docstring, 8.)."""
+    cap = _FEEDING.get()
+    if cap is not None:
+        data = kwargs.get("data")
+        if isinstance(data, dict) and "choices" in data:  # a completion or a chunk of one
+            _add(cap, data)
+    return wrapped(*args, **kwargs)
+
+
 
 
 def _tap(iterator, cap: Capture, span, owned: bool):
     """The stream's chunks, unchanged; records the ids once the last one has been read."""
-    finished, readable = False, True
+    finished = False
     try:
-        for chunk in iterator:
-            readable = _add(cap, chunk) and readable
+        while True:
+            fed, token = cap.fed, _FEEDING.set(cap)
+            try:
+                chunk = next(iterator)  # decodes the chunk: the JSON hook feeds ``cap``
+            except StopIteration:
+                break
+            finally:
+                _FEEDING.reset(token)
+            if cap.fed == fed:  # the hook did not see it: read the parsed chunk
+                _add(cap, chunk)
             yield chunk
         finished = True
         # still inside the caller's __next__: the OpenAI instrumentation ends its span only after
         # StopIteration reaches it, so these attributes land first
-        _end_of_stream(span, cap, owned, readable)
+        _record(span, cap, owned)
     finally:
         if not finished:
             getattr(iterator, "close", lambda: None)()
@@ -215,13 +292,21 @@ def _tap(iterator, cap: Capture, span, owned: bool):
 
 
 async def _atap(iterator, cap: Capture, span, owned: bool):
-    finished, readable = False, True
+    finished = False
     try:
-        async for chunk in iterator:
-            readable = _add(cap, chunk) and readable
+        while True:
+            fed, token = cap.fed, _FEEDING.set(cap)
+            try:
+                chunk = await iterator.__anext__()
+            except StopAsyncIteration:
+                break
+            finally:
+                _FEEDING.reset(token)
+            if cap.fed == fed:
+                _add(cap, chunk)
             yield chunk
         finished = True
-        _end_of_stream(span, cap, owned, readable)
+        _record(span, cap, owned)
     finally:
         if not finished and hasattr(iterator, "aclose"):
             await iterator.aclose()
@@ -229,7 +314,7 @@ async def _atap(iterator, cap: Capture, span, owned: bool):
             span.end()
 
 
-def _tapped(stream, op: str, span, owned: bool):
+def _tapped(stream, cap: Capture, span, owned: bool):
     """The same Stream/AsyncStream object, its iterator replaced by a tap (so isinstance checks,
     ``with`` blocks, ``.response`` and ``.close()`` are untouched)."""
     iterator = getattr(stream, "_iterator", None)
@@ -242,15 +327,43 @@ def _tapped(stream, op: str, span, owned: bool):
     if span.is_recording():
         span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
     tap = _atap if hasattr(iterator, "__anext__") else _tap
-    stream._iterator = tap(iterator, Capture(op), span, owned)
+    stream._iterator = tap(iterator, cap, span, owned)
     return stream
 
 
-def _finish(resp, op: str, stream: bool, span, owned: bool):
+def _parse_raw(resp, cap: Capture):
+    """The parsed body of a ``LegacyAPIResponse``, else None.
+
+    ``with_raw_response`` (LangChain's ``ChatOpenAI``) and direct ``client.post(...)`` calls with the
+    raw-response header (LiteLLM) get this wrapper back instead of the parsed completion. Its
+    ``parse()`` caches per target type, so parsing it here hands the caller the very same object
+    (for a stream: the same Stream, tapped) when it calls ``parse()`` itself. The newer
+    ``APIResponse`` of ``with_streaming_response`` is left alone: its body is not read yet, and
+    reading it here would take the streaming away from the caller.
+    """
+    from openai._legacy_response import LegacyAPIResponse
+
+    if not isinstance(resp, LegacyAPIResponse):
+        return None
+    token = _FEEDING.set(cap)
+    try:
+        return resp.parse()
+    except Exception:  # the caller's own parse() raises the same error; telemetry stays quiet
+        log.debug("lightspan: could not parse a raw response", exc_info=True)
+        return None
+    finally:
+        _FEEDING.reset(token)
+
+
+def _finish(resp, cap: Capture, stream: bool, span, owned: bool):
+    parsed = _parse_raw(resp, cap)
+    if parsed is not None:
+        _finish(parsed, cap, stream, span, owned)
+        return resp
     if stream:
-        return _tapped(resp, op, span, owned)
-    cap = Capture(op)
-    _add(cap, resp)
+        return _tapped(resp, cap, span, owned)
+    if not cap.fed:  # the JSON hook did not see the response: read the parsed object
+        _add(cap, resp)
     _record(span, cap, owned)
     if owned:
         span.end()
@@ -258,31 +371,39 @@ def _finish(resp, op: str, stream: bool, span, owned: bool):
 
 
 def _sync_post(wrapped, instance, args, kwargs):
-    op, stream, kwargs = _prepare(instance, args, kwargs)
-    if op is None:
+    cap, stream, kwargs = _prepare(instance, args, kwargs)
+    if cap is None:
         return wrapped(*args, **kwargs)
-    span, owned = _target(op, kwargs)
+    span, owned = _target(cap.operation, kwargs)
     try:
         with trace.use_span(span, end_on_exit=False) if owned else nullcontext():
-            resp = wrapped(*args, **kwargs)
+            token = _FEEDING.set(cap)  # the response is decoded inside: the JSON hook feeds ``cap``
+            try:
+                resp = wrapped(*args, **kwargs)
+            finally:
+                _FEEDING.reset(token)
     except BaseException as exc:
         _failed(span, owned, exc)
         raise
-    return _finish(resp, op, stream, span, owned)
+    return _finish(resp, cap, stream, span, owned)
 
 
 async def _async_post(wrapped, instance, args, kwargs):
-    op, stream, kwargs = _prepare(instance, args, kwargs)
-    if op is None:
+    cap, stream, kwargs = _prepare(instance, args, kwargs)
+    if cap is None:
         return await wrapped(*args, **kwargs)
-    span, owned = _target(op, kwargs)
+    span, owned = _target(cap.operation, kwargs)
     try:
         with trace.use_span(span, end_on_exit=False) if owned else nullcontext():
-            resp = await wrapped(*args, **kwargs)
+            token = _FEEDING.set(cap)  # the response is decoded inside: the JSON hook feeds ``cap``
+            try:
+                resp = await wrapped(*args, **kwargs)
+            finally:
+                _FEEDING.reset(token)
     except BaseException as exc:
         _failed(span, owned, exc)
         raise
-    return _finish(resp, op, stream, span, owned)
+    return _finish(resp, cap, stream, span, owned)
 
 
 class LightspanInstrumentor(BaseInstrumentor):
@@ -302,6 +423,7 @@ class LightspanInstrumentor(BaseInstrumentor):
         _NESTING.active = True
         wrap_function_wrapper("openai._base_client", "SyncAPIClient.post", _sync_post)
         wrap_function_wrapper("openai._base_client", "AsyncAPIClient.post", _async_post)
+        wrap_function_wrapper("openai._base_client", "BaseClient._process_response_data", _process_data)
 
     def _uninstrument(self, **kwargs):
         import openai._base_client as base
@@ -311,3 +433,4 @@ class LightspanInstrumentor(BaseInstrumentor):
         _tracer_provider = None
         unwrap(base.SyncAPIClient, "post")
         unwrap(base.AsyncAPIClient, "post")
+        unwrap(base.BaseClient, "_process_response_data")

@@ -1,0 +1,346 @@
+"""Benchmark: the agent-side cost of lightspan's instrumentor per LLM call, side by side with the
+same agent under traceloop's OpenAI instrumentation alone.
+
+    .venv/bin/python bench/capture_overhead.py [--calls 2000] [--vllm-url http://127.0.0.1:8000]
+
+1. A stub HTTP server on loopback, in its own process, answers ``POST /v1/chat/completions`` with a
+   canned response shaped exactly as vLLM 0.32's (field for field, from a recorded one), for a
+   ``--prompt-tokens`` prompt and ``--completion-tokens`` completion tokens: with
+   ``prompt_token_ids``, ``token_ids`` and sampled-token ``logprobs`` when the request asks for
+   them (lightspan's instrumentor does), with those fields ``null`` when it does not, as vLLM does.
+   It stands in for vLLM only to isolate the client's side: with a real model the server's time
+   dwarfs and blurs the client's. Streamed calls get one SSE chunk per token, as vLLM sends them.
+2. One agent process: an SDK tracer provider with a BatchSpanProcessor whose exporter encodes
+   every batch to OTLP protobuf and drops it (the network is not measured), traceloop's OpenAI
+   instrumentation (the one we ship with) on, lightspan's instrumentor on, and two ``openai``
+   clients: one built *before* lightspan's instrumentor was installed (an openai resource keeps
+   the ``post`` it was built with, so lightspan never sees its calls: the baseline) and one built
+   after (captured; the script checks that every one of its calls was). Calls alternate between
+   the two (ABBA…), so the noise of a shared machine hits both alike. The prompt is
+   ``--prompt-chars`` characters (≈ 1k tokens of English for a BPE tokenizer).
+3. Per call: the calling thread's CPU time (``time.thread_time``: the client-side time of the
+   call, without the stub's) and its wall time. Reported: medians over ``--calls`` calls each.
+   The exporter's encoding runs in its own thread; its extra cost per captured span is timed in 5.
+4. Overhead = median with − median without, in CPU time; as a share of the client-side time of a
+   call (the CPU time per call without lightspan). With ``--vllm-url``, also the wall time of a
+   real call to that vLLM (same prompt length, capped by its context, ``--completion-tokens``
+   tokens) and the overhead's share of it.
+5. A breakdown of one non-streamed call's overhead (timeit, no server): decoding vLLM's larger
+   JSON, the openai client's models for the extra fields it keeps (the token ids), and lightspan's
+   own code.
+
+Prints a summary and one JSON line (the numbers recorded in bench/README.md, "Capture overhead").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODEL = "policy"
+
+
+# --- the stub server (its own process) -----------------------------------------------------------
+
+def _response_bodies(prompt_tokens: int, completion_tokens: int) -> dict:
+    """Canned bodies keyed by (stream?, token ids?, logprobs?): vLLM 0.32's chat response shape."""
+    prompt_ids = [(i * 7919) % 50_000 for i in range(prompt_tokens)]
+    ids = [(i * 104_729) % 50_000 for i in range(completion_tokens)]
+    tokens = [f"tok{i}" for i in range(completion_tokens)]
+    content = [{"token": t, "logprob": -0.1 - (i % 17) * 0.173, "bytes": list(t.encode()), "top_logprobs": []}
+               for i, t in enumerate(tokens)]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+             "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None}
+    head = {"id": "chatcmpl-bench", "created": 1_796_000_000, "model": MODEL}
+    bodies = {}
+    for with_ids in (False, True):
+        for with_lp in (False, True):
+            full = {**head, "object": "chat.completion", "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": "".join(tokens), "refusal": None,
+                                        "annotations": None, "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": {"content": content} if with_lp else None, "finish_reason": "length",
+                "stop_reason": None, "token_ids": ids if with_ids else None, "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": "vllm-0.32.0", "usage": usage, "prompt_logprobs": None,
+                "prompt_token_ids": prompt_ids if with_ids else None, "prompt_text": None,
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+            bodies[(False, with_ids, with_lp)] = json.dumps(full).encode()
+            chunks = [{**head, "object": "chat.completion.chunk", "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                "prompt_token_ids": prompt_ids if with_ids else None, "prompt_text": None}]
+            for i, t in enumerate(tokens):
+                last = i == len(tokens) - 1
+                chunks.append({**head, "object": "chat.completion.chunk", "choices": [{
+                    "index": 0, "delta": {"content": t}, "logprobs": {"content": [content[i]]} if with_lp else None,
+                    "finish_reason": "length" if last else None, "stop_reason": None,
+                    "token_ids": [ids[i]] if with_ids else None}], "system_fingerprint": "vllm-0.32.0"})
+            bodies[(True, with_ids, with_lp)] = b"".join(
+                b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return bodies
+
+
+def serve(port: int, prompt_tokens: int, completion_tokens: int) -> None:
+    bodies = _response_bodies(prompt_tokens, completion_tokens)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            stream = bool(request.get("stream"))
+            body = bodies[(stream, bool(request.get("return_token_ids")), bool(request.get("logprobs")))]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+def _start_stub(prompt_tokens: int, completion_tokens: int) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--prompt-tokens", str(prompt_tokens),
+                             "--completion-tokens", str(completion_tokens)])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": MODEL}, timeout=1)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except requests.RequestException:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the stub server did not start")
+
+
+# --- the agent side ------------------------------------------------------------------------------
+
+def _tracing():
+    """An SDK provider whose exporter encodes each batch to OTLP protobuf and drops it."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class EncodeAndDrop(SpanExporter):
+        def __init__(self):
+            self.bytes = 0
+            self.spans = 0
+            self.captured = 0
+            self.sample = {}  # one exported span with lightspan's attributes (True) and one without
+
+        def export(self, spans):
+            self.bytes += len(encode_spans(spans).SerializeToString())
+            self.spans += len(spans)
+            for span in spans:
+                ok = span.attributes.get("lightspan.capture.status") == "ok"
+                self.captured += ok
+                self.sample.setdefault(ok, span)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self):
+            pass
+
+    exporter = EncodeAndDrop()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    from opentelemetry.instrumentation.openai import OpenAIInstrumentor
+
+    OpenAIInstrumentor().instrument(tracer_provider=provider)
+    return provider, exporter
+
+
+def _call(client, prompt: str, max_tokens: int, stream: bool) -> None:
+    messages = [{"role": "user", "content": prompt}]
+    if stream:
+        for _ in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                temperature=0.7, stream=True):
+            pass
+    else:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.7)
+
+
+def measure(args) -> dict:
+    from openai import OpenAI
+
+    from lightspan.tracing.instrumentor import LightspanInstrumentor
+
+    provider, exporter = _tracing()
+    stub, url = _start_stub(args.prompt_tokens, args.completion_tokens)
+    prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
+    baseline = OpenAI(base_url=url, api_key="bench", max_retries=0)
+    baseline.chat.completions  # noqa: B018 (builds the resource now, with the post lightspan will not wrap)
+    LightspanInstrumentor().instrument(tracer_provider=provider)
+    clients = {"without": baseline, "with": OpenAI(base_url=url, api_key="bench", max_retries=0)}
+    results = {}
+    try:
+        for stream in (False, True):
+            for client in clients.values():  # warm-up: connections, caches
+                for _ in range(20):
+                    _call(client, prompt, args.completion_tokens, stream)
+            provider.force_flush()
+            captured0, cpu, wall = exporter.captured, {k: [] for k in clients}, {k: [] for k in clients}
+            for i in range(args.calls):
+                for name in (("without", "with") if i % 2 else ("with", "without")):
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    _call(clients[name], prompt, args.completion_tokens, stream)
+                    wall[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.thread_time() - c0)
+            provider.force_flush()
+            assert exporter.captured - captured0 == args.calls, "not every call of the captured client was captured"
+            r = {k: {"cpu_ms": statistics.median(cpu[k]) * 1e3, "wall_ms": statistics.median(wall[k]) * 1e3}
+                 for k in clients}
+            r["overhead_cpu_ms"] = r["with"]["cpu_ms"] - r["without"]["cpu_ms"]
+            r["overhead_wall_ms"] = r["with"]["wall_ms"] - r["without"]["wall_ms"]
+            r["overhead_share_of_client_cpu"] = r["overhead_cpu_ms"] / r["without"]["cpu_ms"]
+            results["stream" if stream else "chat"] = r
+    finally:
+        stub.kill()
+        stub.wait()
+    results["export_encoding_us"] = _encoding_cost(exporter)
+    if args.vllm_url:
+        results["vllm"] = _real_call(args, provider)
+        for mode in ("chat", "stream"):
+            # the CPU overhead: on a core of its own the agent's latency grows by that much (the wall
+            # difference of a stub call is mostly the shared machine's noise)
+            results[mode]["overhead_share_of_real_call"] = results[mode]["overhead_cpu_ms"] / results["vllm"]["wall_ms"]
+    return results
+
+
+def _encoding_cost(exporter) -> dict:
+    """µs to OTLP-encode one exported span with lightspan's attributes and one without (the
+    exporter thread's share of the overhead), and their sizes."""
+    import timeit
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    out = {}
+    for ok, name in ((False, "without"), (True, "with")):
+        span = exporter.sample[ok]
+        out[f"{name}_us"] = min(timeit.repeat(lambda: encode_spans([span]).SerializeToString(),
+                                              number=500, repeat=5)) / 500 * 1e6
+        out[f"{name}_bytes"] = len(encode_spans([span]).SerializeToString())
+    return out
+
+
+def breakdown(args) -> dict:
+    """Where the overhead of one non-streamed call goes, in µs (best of 5, timeit; no server, no
+    instrumentation): decoding vLLM's larger JSON, the openai client's models for what remains of it
+    once lightspan dropped the logprobs the caller did not ask for, and lightspan's own work
+    (reading ids and logprobs from the JSON, dropping the logprobs, encoding to bytes, setting the
+    attributes on a span)."""
+    import timeit
+
+    from openai._models import construct_type
+    from openai.types.chat import ChatCompletion
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from lightspan.tracing.capture import Capture
+    from lightspan.tracing.instrumentor import _add
+
+    bodies = _response_bodies(args.prompt_tokens, args.completion_tokens)
+    full, bare = bodies[(False, True, True)], bodies[(False, False, False)]
+    ids_only = json.loads(full)
+    for choice in ids_only["choices"]:
+        choice["logprobs"] = None
+    bare_data = json.loads(bare)
+    tracer = TracerProvider().get_tracer("bench")
+
+    def us(fn, n=2000):
+        return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+
+    def own():
+        cap = Capture("chat", caller_logprobs=False)
+        _add(cap, json.loads(full))
+        span = tracer.start_span("x")
+        span.set_attributes(cap.attributes(1))
+        span.end()
+
+    def decode_and_span():
+        json.loads(full)
+        tracer.start_span("x").end()
+
+    return {"json_us": us(lambda: json.loads(full)) - us(lambda: json.loads(bare)),
+            "construct_us": us(lambda: construct_type(type_=ChatCompletion, value=ids_only))
+            - us(lambda: construct_type(type_=ChatCompletion, value=bare_data)),
+            "lightspan_code_us": us(own) - us(decode_and_span)}
+
+
+def _real_call(args, provider) -> dict:
+    """Wall and client CPU time per call of a real vLLM call (lightspan on), same completion length."""
+    import requests
+    from openai import OpenAI
+
+    limit = requests.get(f"{args.vllm_url}/v1/models", timeout=10).json()["data"][0].get("max_model_len") or 1024
+    served = requests.get(f"{args.vllm_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    chars = min(args.prompt_chars, limit - args.completion_tokens - 64)  # byte-level tiny models: 1 char ≈ 1 token
+    prompt = ("The quick brown fox jumps over the lazy dog. " * (chars // 45 + 1))[:chars]
+    client = OpenAI(base_url=f"{args.vllm_url}/v1", api_key="bench", max_retries=0)  # lightspan is on
+    messages = [{"role": "user", "content": prompt}]
+    kw = {"model": served, "messages": messages, "max_tokens": args.completion_tokens, "temperature": 0.7,
+          "extra_body": {"ignore_eos": True}}
+    first = client.chat.completions.create(**kw)
+    walls, cpus = [], []
+    for _ in range(args.vllm_calls):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        client.chat.completions.create(**kw)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+    return {"wall_ms": statistics.median(walls) * 1e3, "client_cpu_ms": statistics.median(cpus) * 1e3,
+            "prompt_tokens": len(first.model_extra["prompt_token_ids"]),
+            "completion_tokens": len(first.choices[0].model_extra["token_ids"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=2000, help="calls per client and mode (alternating)")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="prompt_token_ids in the stub's response")
+    p.add_argument("--prompt-chars", type=int, default=4000, help="characters of the prompt the agent sends")
+    p.add_argument("--completion-tokens", type=int, default=64)
+    p.add_argument("--vllm-url", default="", help="also time a real call to this vLLM (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--vllm-calls", type=int, default=10)
+    p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # the stub server's own process
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve, args.prompt_tokens, args.completion_tokens)
+        return
+    results = measure(args)
+    results["breakdown_chat"] = breakdown(args)
+    for mode in ("chat", "stream"):
+        r = results[mode]
+        print(f"{mode:6s}  without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.3f} ms wall"
+              f"  |  with: {r['with']['cpu_ms']:.3f} ms CPU, {r['with']['wall_ms']:.3f} ms wall"
+              f"  |  overhead {r['overhead_cpu_ms']:+.3f} ms CPU ({r['overhead_share_of_client_cpu']:+.1%} of the"
+              f" client's CPU per call), {r['overhead_wall_ms']:+.3f} ms wall")
+    e = results["export_encoding_us"]
+    print(f"OTLP encoding of the call's span in the exporter thread: {e['without_us']:.0f} µs ({e['without_bytes']} B)"
+          f" without, {e['with_us']:.0f} µs ({e['with_bytes']} B) with lightspan's attributes")
+    d = results["breakdown_chat"]
+    print(f"one chat call's overhead, by part: decoding the larger JSON {d['json_us']:.0f} µs, the openai client's "
+          f"models for the ids it keeps {d['construct_us']:.0f} µs, lightspan's own code {d['lightspan_code_us']:.0f} µs")
+    if "vllm" in results:
+        v = results["vllm"]
+        print(f"real vLLM call ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens): "
+              f"{v['wall_ms']:.1f} ms wall, {v['client_cpu_ms']:.2f} ms client CPU; overhead share: "
+              f"chat {results['chat']['overhead_share_of_real_call']:.3%}, "
+              f"stream {results['stream']['overhead_share_of_real_call']:.3%}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

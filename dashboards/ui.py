@@ -1,0 +1,436 @@
+"""The web UI's queries: parameters in, JSON-able dicts out, through the store's views only.
+
+Every function here reads the DuckDB views of :mod:`lightspan.collector.store` (``spans``,
+``llm_calls``, ``rollouts``, ``rewards``, ``transitions``, ``train_steps``) — the same ones
+``lightspan sql`` and ``/v1/sql`` use — on a connection the caller opens. Values from the
+request are always bound as parameters; only fixed SQL fragments are put together. Bad
+parameters raise :class:`BadParameter` (HTTP 400) naming the parameter and the fix.
+
+Endpoints (see :mod:`lightspan.dashboards.web`):
+
+- ``/api/ui/rollouts``: :func:`rollouts` (filters: task, split, agent, min_reward, max_reward,
+  version, since, until; limit, offset);
+- ``/api/ui/facets``: :func:`facets`, the values the filters can take;
+- ``/api/ui/rollouts/<key>``: :func:`rollout`, one rollout's spans as a tree, its LLM calls with
+  messages, tokens and logprobs, the reward matched to each call and its transitions;
+- ``/api/ui/training``: :func:`training`, the train_steps of one run and reward by policy version;
+- ``/api/ui/health``: :func:`health`, the collector's own metrics.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import duckdb
+import numpy as np
+
+from lightspan.collector import store
+from lightspan.lightningrl.credit import rewards_per_call
+from lightspan.trainer.config import parse_duration
+
+MAX_LIMIT = 1000
+DEFAULT_LIMIT = 100
+MAX_SPANS = 5000          # spans of one rollout returned; past it the answer says truncated
+MAX_TEXT = 200            # longest filter value accepted
+_NS = 10**9
+
+Params = Mapping[str, Sequence[str]]   # parse_qs output: each parameter's values
+
+
+class BadParameter(ValueError):
+    """A query parameter is wrong (HTTP 400); the message names it and the fix."""
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+def _one(params: Params, name: str) -> str | None:
+    values = params.get(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise BadParameter(f"{name!r} is given {len(values)} times: give it once")
+    value = values[0].strip()
+    if not value:
+        return None
+    if len(value) > MAX_TEXT:
+        raise BadParameter(f"{name!r} is {len(value)} characters long: at most {MAX_TEXT}")
+    return value
+
+
+def check_known(params: Params, known: Sequence[str]) -> None:
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise BadParameter(f"unknown parameter(s) {unknown}: known are {sorted(known)}")
+
+
+def _int(params: Params, name: str, *, low: int, high: int | None = None, default: int | None = None) -> int | None:
+    text = _one(params, name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadParameter(f"{name!r} must be a whole number, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise BadParameter(f"{name!r} must be {bound}, got {value}")
+    return value
+
+
+def _float(params: Params, name: str) -> float | None:
+    text = _one(params, name)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadParameter(f"{name!r} must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise BadParameter(f"{name!r} must be a finite number, got {text!r}")
+    return value
+
+
+def parse_time(text: str, name: str, now_ns: int) -> int:
+    """Unix nanoseconds of ``text``: unix seconds (``1767225600``), an ISO 8601 time (UTC unless
+    it has an offset), or a duration before now (``15m``, ``2h``, ``7d``)."""
+    try:
+        ns = int(float(text) * _NS) if re.fullmatch(r"\d+(\.\d+)?", text) else _iso_ns(text)
+    except (ValueError, OverflowError):
+        try:
+            ns = now_ns - int(parse_duration(text) * _NS)
+        except ValueError:
+            raise BadParameter(f"{name!r} must be unix seconds, an ISO 8601 time (2026-01-31T12:00:00Z) or a "
+                               f"duration before now (15m, 2h, 7d), got {text!r}") from None
+    if not 0 <= ns < 2**63:
+        raise BadParameter(f"{name!r} is outside 1970 .. 2262 (unix nanoseconds in 64 bits): {text!r}")
+    return ns
+
+
+def _iso_ns(text: str) -> int:
+    when = dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return int(when.timestamp()) * _NS + when.microsecond * 1000
+
+
+# --- rows to JSON --------------------------------------------------------------------------------
+
+def clean(value):
+    """A DuckDB value as JSON: non-finite floats become null (a chart gap), maps become objects."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (dt.datetime, dt.date)):
+        return value.isoformat()
+    return value
+
+
+def _records(cursor: duckdb.DuckDBPyConnection) -> list[dict]:
+    names = [d[0] for d in cursor.description]
+    return [{n: clean(v) for n, v in zip(names, row)} for row in cursor.fetchall()]
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+
+ROLLOUT_PARAMS = ("task", "split", "agent", "min_reward", "max_reward", "version", "since", "until",
+                  "limit", "offset")
+
+# One rollout per row, once per request into a temp table that the count and the page read: the
+# rollouts view (without its num_llm_calls, which would read every span's prompt token ids), the
+# agents of its GenAI spans and its trace ids. Only light columns are read. Reading through the
+# deduplicating views costs a scan of every span, so each request does as few as it can.
+_ROLLOUTS_TABLE_SQL = """
+CREATE OR REPLACE TEMP TABLE _ui_rollouts AS
+SELECT r.rollout_key, r.task_id, r.split, r.service_name, r.num_spans, r.final_reward, r.has_error,
+       r.start_time_unix_nano, r.end_time_unix_nano, r.model_version, a.agents, a.traces
+FROM rollouts r
+LEFT JOIN (SELECT coalesce(rollout_id, trace_id) AS rollout_key,
+                  list(DISTINCT coalesce(agent_name, service_name) ORDER BY coalesce(agent_name, service_name))
+                      FILTER (WHERE agent_name IS NOT NULL OR operation_name IS NOT NULL) AS agents,
+                  list(DISTINCT trace_id) AS traces
+           FROM spans GROUP BY 1) a USING (rollout_key)
+"""
+# the LLM calls of the page's rollouts; the trace ids let DuckDB filter below the views'
+# deduplication (its partition key), so only those traces' token lists are read
+_PAGE_CALLS_SQL = """
+SELECT rollout_key, count(*) FROM llm_calls
+WHERE list_contains($traces::VARCHAR[], trace_id) AND list_contains($keys::VARCHAR[], rollout_key)
+GROUP BY 1
+"""
+# each filter: a fixed fragment and the name of the parameter it binds
+_FILTERS = {
+    "task": "task_id = $task",
+    "split": "split = $split",
+    "agent": "list_contains(coalesce(agents, []), $agent)",
+    "min_reward": "final_reward >= $min_reward",
+    "max_reward": "final_reward <= $max_reward",
+    "version": "model_version = $version",
+    "since": "start_time_unix_nano >= $since",
+    "until": "start_time_unix_nano < $until",
+}
+
+
+def rollout_filters(params: Params, now_ns: int | None = None) -> dict:
+    """The validated filters of ``/api/ui/rollouts`` (absent ones left out), plus limit and offset."""
+    check_known(params, ROLLOUT_PARAMS)
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    found = {name: _one(params, name) for name in ("task", "split", "agent")}
+    found["min_reward"] = _float(params, "min_reward")
+    found["max_reward"] = _float(params, "max_reward")
+    found["version"] = _int(params, "version", low=0)
+    for name in ("since", "until"):
+        text = _one(params, name)
+        found[name] = parse_time(text, name, now_ns) if text is not None else None
+    filters = {k: v for k, v in found.items() if v is not None}
+    filters["limit"] = _int(params, "limit", low=1, high=MAX_LIMIT, default=DEFAULT_LIMIT)
+    filters["offset"] = _int(params, "offset", low=0, default=0)
+    return filters
+
+
+def rollouts(con: duckdb.DuckDBPyConnection, filters: dict) -> dict:
+    """Rollouts matching ``filters`` (from :func:`rollout_filters`), newest first, with the
+    matching total and the mean final reward over all of them (not just this page)."""
+    bound = {k: v for k, v in filters.items() if k in _FILTERS}
+    where = " AND ".join(_FILTERS[k] for k in bound) or "true"
+    con.execute(_ROLLOUTS_TABLE_SQL)
+    summary = con.execute(f"SELECT count(*), avg(final_reward), count(final_reward) FROM _ui_rollouts WHERE {where}",
+                          bound).fetchone()
+    cursor = con.execute(f"""
+        SELECT rollout_key, task_id, split, service_name, agents, num_spans, final_reward,
+               has_error, start_time_unix_nano, end_time_unix_nano, model_version, traces
+        FROM _ui_rollouts WHERE {where}
+        ORDER BY start_time_unix_nano DESC NULLS LAST, rollout_key
+        LIMIT $limit OFFSET $offset""", {**bound, "limit": filters["limit"], "offset": filters["offset"]})
+    page = _records(cursor)
+    calls = dict(con.execute(_PAGE_CALLS_SQL, {"traces": [t for r in page for t in r["traces"] or []],
+                                               "keys": [r["rollout_key"] for r in page]}).fetchall()) if page else {}
+    for row in page:
+        del row["traces"]
+        row["num_llm_calls"] = calls.get(row["rollout_key"], 0)
+    return {"rollouts": page, "total": summary[0], "reward_mean": clean(summary[1]),
+            "with_reward": summary[2], "limit": filters["limit"], "offset": filters["offset"]}
+
+
+def facets(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
+    """The values the rollout filters can take: tasks, splits, agents, policy versions (≤ 500 each)."""
+    check_known(params, ())
+    con.execute(_ROLLOUTS_TABLE_SQL)
+    out = {}
+    for name, column in (("tasks", "task_id"), ("splits", "split"), ("agents", "unnest(agents)"),
+                         ("versions", "model_version")):
+        rows = con.execute(f"SELECT DISTINCT v FROM (SELECT {column} AS v FROM _ui_rollouts) "
+                           "WHERE v IS NOT NULL ORDER BY 1 LIMIT 500").fetchall()
+        out[name] = [row[0] for row in rows]
+    return out
+
+
+# --- one rollout ---------------------------------------------------------------------------------
+
+# The rollout's traces first (light columns); every later query filters on them as well as on the
+# key, so DuckDB reads only those traces' rows below the views' deduplication.
+_TRACES_SQL = "SELECT DISTINCT trace_id FROM spans WHERE coalesce(rollout_id, trace_id) = $key"
+_IN_TRACES = "list_contains($traces::VARCHAR[], trace_id)"   # (faster here than IN (SELECT unnest(...)))
+_SPANS_SQL = f"""
+SELECT trace_id, span_id, parent_span_id, name, kind, service_name, scope_name,
+       start_time_unix_nano, end_time_unix_nano, status_code, status_message, rollout_id, task_id, split,
+       operation_name, request_model, response_model, temperature, input_tokens, output_tokens,
+       finish_reasons, agent_name, input_messages, output_messages, len(prompt_token_ids) AS num_prompt_tokens,
+       completion_token_ids, completion_logprobs, model_version, capture_status, reward, reward_name,
+       attributes, events
+FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
+ORDER BY start_time_unix_nano, end_time_unix_nano, span_id
+LIMIT $limit
+"""
+# the rollout's LLM calls in the builder's action order: (start, end, span id)
+_CALLS_SQL = f"""
+SELECT trace_id, span_id, end_time_unix_nano FROM llm_calls WHERE {_IN_TRACES} AND rollout_key = $key
+ORDER BY start_time_unix_nano, end_time_unix_nano, span_id
+"""
+_REWARDS_SQL = f"""
+SELECT trace_id, span_id, reward_name, reward, time_unix_nano FROM rewards
+WHERE {_IN_TRACES} AND rollout_key = $key AND isfinite(reward) ORDER BY time_unix_nano, span_id
+"""
+_SUMMARY_SQL = f"""
+SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL),
+       any_value(split) FILTER (WHERE split IS NOT NULL),
+       arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL),
+       max(model_version), bool_or(status_code = 'ERROR')
+FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
+"""
+# the newest build of each of the rollout's transitions
+_TRANSITIONS_SQL = """
+SELECT transition_id, call_index, num_calls, model_version, reward, credit, advantage, credit_policy,
+       advantage_estimator, build_id, created_unix_nano, len(completion_token_ids) AS num_completion_tokens
+FROM transitions WHERE rollout_id = $key
+QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
+ORDER BY call_index, transition_id
+"""
+
+Decoder = Callable[[list[int]], list[str] | None]
+
+
+def _messages(text):
+    """The instrumentation's JSON message text, parsed; the raw text if it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = None) -> dict | None:
+    """One rollout by its key (``lightspan.rollout.id``, else the trace id); None if it has no spans.
+
+    Spans come with their tree (``parent_span_id`` within the trace; a span whose parent is not
+    stored is a root). Each LLM call gets ``call_index`` (the builder's action order), its
+    messages parsed, its completion tokens (decoded by ``decode`` when given) with their
+    logprobs, ``matched_reward`` (the rewards credit assignment attributes to it,
+    :func:`lightspan.lightningrl.credit.rewards_per_call`) and its newest ``transition`` (credit,
+    advantage), if one was built for it.
+    """
+    if not key or len(key) > MAX_TEXT:
+        raise BadParameter(f"a rollout key is 1 to {MAX_TEXT} characters, got {len(key)}")
+    traces = [row[0] for row in con.execute(_TRACES_SQL, {"key": key}).fetchall()]
+    if not traces:
+        return None
+    at = {"key": key, "traces": traces}
+    spans = _records(con.execute(_SPANS_SQL, {**at, "limit": MAX_SPANS + 1}))
+    truncated = len(spans) > MAX_SPANS
+    spans = spans[:MAX_SPANS]
+    calls = con.execute(_CALLS_SQL, at).fetchall()
+    rewards = _records(con.execute(_REWARDS_SQL, at))
+    transitions = _records(con.execute(_TRANSITIONS_SQL, {"key": key}))
+    matched = np.zeros(len(calls))
+    if calls and rewards:
+        matched = rewards_per_call(np.array([c[2] or 0 for c in calls], dtype=np.int64),
+                                   np.array([r["time_unix_nano"] or 0 for r in rewards], dtype=np.int64),
+                                   np.array([r["reward"] for r in rewards], dtype=np.float64))
+    call_at = {(c[0], c[1]): i for i, c in enumerate(calls)}
+    by_transition = {t["transition_id"]: t for t in transitions}
+    ids = {(s["trace_id"], s["span_id"]) for s in spans}
+    for span in spans:
+        span["is_root"] = span["parent_span_id"] is None or (span["trace_id"], span["parent_span_id"]) not in ids
+        span["input_messages"] = _messages(span["input_messages"])
+        span["output_messages"] = _messages(span["output_messages"])
+        index = call_at.get((span["trace_id"], span["span_id"]))
+        span["call_index"] = index
+        if index is None:
+            continue
+        span["matched_reward"] = float(matched[index]) if rewards else None
+        span["transition"] = by_transition.get(f"{key}/{span['span_id']}")
+        ids_ = span["completion_token_ids"] or []
+        span["completion_tokens"] = decode(ids_) if decode is not None and ids_ else None
+    first = min((s["start_time_unix_nano"] for s in spans if s["start_time_unix_nano"] is not None), default=None)
+    last = max((s["end_time_unix_nano"] for s in spans if s["end_time_unix_nano"] is not None), default=None)
+    summary = con.execute(_SUMMARY_SQL, at).fetchone()    # as the rollouts view computes them
+    return {"rollout_key": key, "task_id": summary[0], "split": summary[1], "final_reward": clean(summary[2]),
+            "model_version": summary[3], "has_error": summary[4], "start_time_unix_nano": first,
+            "end_time_unix_nano": last, "num_llm_calls": len(calls), "spans": spans, "rewards": rewards,
+            "transitions": transitions, "truncated": truncated,
+            "tokens_decoded": decode is not None and all(s.get("completion_tokens") is not None
+                                                         for s in spans if s.get("completion_token_ids"))}
+
+
+# --- training ------------------------------------------------------------------------------------
+
+TRAINING_PARAMS = ("run",)
+_STEP_COLUMNS = """step, policy_version, time_unix_nano, num_transitions, num_tokens, reward_mean, advantage_abs_mean,
+       loss, kl, clip_ratio, entropy, is_ratio_mean, staleness_mean, skipped_stale, step_seconds,
+       {tokens_per_second} AS tokens_per_second, sync_seconds, sync_max_abs_logprob_diff"""
+# trained completion tokens per second of the optimisation step; the trainer's own figure when the
+# store has that column (it also counts num_iterations passes), else tokens / step time
+_TOKENS_PER_SECOND = "num_tokens / nullif(step_seconds, 0)"
+
+
+def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
+    """The training runs, the steps of one (``run``, default the latest) and the mean final reward
+    of rollouts per policy version and split (train and validation)."""
+    check_known(params, TRAINING_PARAMS)
+    run = _one(params, "run")
+    runs = _records(con.execute("""
+        SELECT run_id, count(*) AS steps, max(step) AS last_step, max(policy_version) AS policy_version,
+               min(time_unix_nano) AS first_time_unix_nano, max(time_unix_nano) AS last_time_unix_nano
+        FROM train_steps GROUP BY run_id ORDER BY last_time_unix_nano DESC"""))
+    if run is not None and run not in {r["run_id"] for r in runs}:
+        raise BadParameter(f"no training run {run!r}: known runs are {[r['run_id'] for r in runs][:20]}")
+    run = run or (runs[0]["run_id"] if runs else None)
+    tokens_per_second = _TOKENS_PER_SECOND
+    if "tokens_per_second" in store.TRAIN_STEP_SCHEMA.names:
+        tokens_per_second = f"coalesce(tokens_per_second, {_TOKENS_PER_SECOND})"
+    columns = _STEP_COLUMNS.format(tokens_per_second=tokens_per_second)
+    steps = _records(con.execute(f"SELECT {columns} FROM train_steps WHERE run_id = $run "
+                                 "ORDER BY step, time_unix_nano", {"run": run})) if run else []
+    by_version = _records(con.execute("""
+        SELECT model_version AS policy_version, coalesce(split, 'train') AS split, count(*) AS rollouts,
+               avg(final_reward) AS reward_mean, count(final_reward) AS with_reward
+        FROM rollouts GROUP BY ALL ORDER BY policy_version NULLS FIRST, split"""))
+    return {"runs": runs, "run_id": run, "steps": steps, "reward_by_version": by_version}
+
+
+# --- collector health ----------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Samples of a Prometheus text exposition: name -> [(labels, value)]."""
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if line.startswith("#") or not match:
+            continue
+        labels = dict(_LABEL.findall(match.group(3) or ""))
+        out.setdefault(match.group(1), []).append((labels, float(match.group(4))))
+    return out
+
+
+def rate(samples: Sequence[tuple[float, float]], window_s: float) -> float | None:
+    """Per-second increase of a counter over the samples (time, value) of the last ``window_s``
+    seconds before the newest; None with fewer than two. A counter reset restarts from zero."""
+    if len(samples) < 2:
+        return None
+    newest_t = samples[-1][0]
+    recent = [s for s in samples if s[0] >= newest_t - window_s]
+    if len(recent) < 2:
+        recent = list(samples[-2:])
+    increase = sum(b[1] - a[1] if b[1] >= a[1] else b[1] for a, b in zip(recent, recent[1:]))
+    elapsed = recent[-1][0] - recent[0][0]
+    return increase / elapsed if elapsed > 0 else None
+
+
+def health(metrics_text: str, *, prefix: str, rates: Mapping[str, float | None], running: bool,
+           limits: Mapping[str, int]) -> dict:
+    """The collector's health from its own metrics (``metrics_text``, Prometheus text format):
+    counters without the prefix, refusals by reason, queue and WAL bytes, and ``rates``."""
+    samples = parse_prometheus(metrics_text)
+    counters, refused, gauges = {}, {}, {}
+    for name, values in samples.items():
+        short = name[len(prefix):] if name.startswith(prefix) else name
+        if short == "requests_refused_total":
+            refused = {labels.get("reason", ""): value for labels, value in values}
+        elif short.endswith("_total"):
+            counters[short] = values[0][1]
+        else:
+            gauges[short] = values[0][1]
+
+    def mean(name: str):
+        count = gauges.get(f"{name}_count")
+        return gauges[f"{name}_sum"] / count if count else None
+
+    return {"running": running, "counters": counters, "refused": refused,
+            "refused_total": sum(refused.values()), "queue_bytes": gauges.get("queue_bytes"),
+            "wal_bytes": gauges.get("wal_bytes"), "flush_seconds_mean": mean("flush_seconds"),
+            "fsync_seconds_mean": mean("fsync_seconds"), "rates": dict(rates), "limits": dict(limits),
+            "time_unix_nano": time.time_ns()}
