@@ -159,6 +159,9 @@ def run(cfg: DemoConfig) -> int:
         from lightspan.models import prepare_smollm2
         stages.time("prepare model", prepare_smollm2, model_dir)
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
+    # the math agent uses the plain openai client: where the examples' LangChain instrumentation is
+    # installed too, skip it (it costs each agent process ~1 s of start-up importing langchain)
+    env.setdefault("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "langchain")
     train_tasks, val_tasks = make_tasks(cfg.seed, cfg.steps * cfg.tasks_per_step, cfg.val_tasks)
     val_file = _write_jsonl(data / "val_tasks.jsonl", val_tasks)
     vllm_cfg = inference.VLLMConfig(model=str(model_dir), port=cfg.vllm_port, seed=cfg.seed)

@@ -416,5 +416,5 @@ def test_grpc_fuzz_traces_and_logs(fuzzed):
     valid.check_stored(fuzzed)
     assert codes == ALLOWED_GRPC
     snapshot = fuzzed.metrics.snapshot()     # the fuzz reached the flattener, not only the parser
-    assert snapshot["spans_rejected_total"] > 100 and snapshot["spans_accepted_total"] > len(valid.sent) * 2 + 20
+    assert snapshot["spans_rejected_total"] > 100 and snapshot["spans_accepted_total"] > len(valid.sent) * 2  # some fuzzed spans stored too
     assert snapshot["log_records_rejected_total"] > 10 and snapshot["log_records_accepted_total"] > 10
