@@ -120,7 +120,10 @@ def decoder(data_dir: Path, config: DashboardConfig):
     file = _tokenizer_file(source)
     if file is None:
         return None
-    key = (str(file), file.stat().st_mtime)
+    try:
+        key = (str(file), file.stat().st_mtime)
+    except OSError:           # pruned by the trainer a moment ago: show token ids instead
+        return None
     with _tokenizer_lock:
         tokenizer = _tokenizers.get(key)
         if tokenizer is None:

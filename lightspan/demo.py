@@ -138,22 +138,50 @@ def _policy_version(data_dir: Path) -> int:
         return 0
 
 
-def _val_reward(data_dir: Path, version: int) -> tuple[float, float, int]:
+def query_one(data_dir: Path, sql: str, params: list | None = None) -> tuple:
+    """One row of ``sql`` over the store's views in ``data_dir`` (a fresh connection, closed after)."""
     from lightspan.collector import store
 
-    row = store.retry_vanished(lambda: store.connect(data_dir).execute("""
+    def query():
+        con = store.connect(data_dir)
+        try:
+            return con.execute(sql, params or []).fetchone()
+        finally:
+            con.close()
+
+    return store.retry_vanished(query)
+
+
+def _val_reward(data_dir: Path, version: int) -> tuple[float, float, int]:
+    row = query_one(data_dir, """
         SELECT avg(final_reward), avg(CASE WHEN final_reward >= 1 THEN 1.0 ELSE 0.0 END), count(*)
         FROM rollouts WHERE split = 'val' AND coalesce(model_version, 0) = ? AND task_id IS NOT NULL
-          AND final_reward IS NOT NULL""", [version]).fetchone())
+          AND final_reward IS NOT NULL""", [version])
     return float(row[0] or 0.0), float(row[1] or 0.0), int(row[2])
+
+
+RUN_MARKER = ".lightspan-run"
+"""Written into a data directory that a demo or experiment made: only such a directory is wiped."""
+
+
+def fresh_data_dir(path: str, section: str) -> Path:
+    """An empty data directory for one run at ``path``: made, or wiped if an earlier demo or
+    experiment made it. Any other non-empty directory (a live store, a source tree) is refused."""
+    data = Path(path).resolve()
+    if data.is_dir() and any(data.iterdir()):
+        if not (data / RUN_MARKER).is_file():
+            raise ConfigError(section, "data_dir", f"{data} is not empty and was not made by a lightspan demo "
+                              "or experiment, so it is not wiped", "pass --data-dir with a new or empty directory")
+        shutil.rmtree(data)
+    (data / "logs").mkdir(parents=True)
+    (data / RUN_MARKER).write_text("made by a lightspan demo or experiment; wiped by the next one\n")
+    return data
 
 
 def run(cfg: DemoConfig) -> int:
     t_start = time.monotonic()
     stages = Stages()
-    data = Path(cfg.data_dir).resolve()
-    shutil.rmtree(data, ignore_errors=True)
-    (data / "logs").mkdir(parents=True)
+    data = fresh_data_dir(cfg.data_dir, "demo")
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL_DIR
     if not cfg.model:
         from lightspan.models import prepare_smollm2
@@ -233,11 +261,9 @@ def _wait_version(data: Path, version: int, timeout_s: float, trainer: subproces
 
 
 def _trainer_stats(data: Path) -> dict:
-    from lightspan.collector import store
-
-    row = store.retry_vanished(lambda: store.connect(data).execute("""
+    row = query_one(data, """
         SELECT count(*), sum(step_seconds), sum(sync_seconds), max(sync_max_abs_logprob_diff)
-        FROM train_steps""").fetchone())
+        FROM train_steps""")
     return {"steps": row[0], "step_seconds": row[1] or 0.0, "sync_seconds": row[2] or 0.0,
             "max_logprob_diff": row[3]}
 

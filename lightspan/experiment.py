@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import requests
 from lightspan import inference
 from lightspan.config import ConfigError, option
 from lightspan.demo import (
+    fresh_data_dir,
+    query_one,
     DEFAULT_MODEL_DIR,
     Stages,
     _lightspan,
@@ -100,8 +101,10 @@ class ExperimentConfig:
                 raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
         if self.samples < 2:
             raise ConfigError("experiment", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
-        if self.val_limit < 0 or self.val_every < 0:
-            raise ConfigError("experiment", "val_limit", "must be >= 0", "pass 0 (all / only before and after) or more")
+        for name in ("val_limit", "val_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError("experiment", name, "must be >= 0",
+                                  f"pass --{name.replace('_', '-')} 0 (all / only before and after) or more")
 
 
 def agent_command(agent: str) -> list[str]:
@@ -132,13 +135,11 @@ def _free_port() -> int:
 def _rewards(data: Path, split: str, task_ids: list[str], version: int, solved_at: float, since_ns: int) -> dict:
     """Mean reward and solved share of the rollouts of ``task_ids`` started at or after ``since_ns``
     (a validation repeated with an unchanged policy must not count the earlier one's rollouts)."""
-    from lightspan.collector import store
-
-    row = store.retry_vanished(lambda: store.connect(data).execute("""
+    row = query_one(data, """
         SELECT avg(final_reward), avg(CASE WHEN final_reward >= ? THEN 1.0 ELSE 0.0 END), count(*)
         FROM rollouts WHERE split = ? AND coalesce(model_version, 0) = ? AND final_reward IS NOT NULL
           AND list_contains(?, task_id) AND start_time_unix_nano >= ?""",
-        [solved_at, split, version, task_ids, since_ns]).fetchone())
+        [solved_at, split, version, task_ids, since_ns])
     return {"policy_version": version, "reward_mean": float(row[0] or 0.0), "solved": float(row[1] or 0.0),
             "rollouts": int(row[2])}
 
@@ -178,9 +179,7 @@ def run(cfg: ExperimentConfig) -> int:
     # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     stages = Stages()
-    data = Path(cfg.data_dir).resolve()
-    shutil.rmtree(data, ignore_errors=True)
-    (data / "logs").mkdir(parents=True)
+    data = fresh_data_dir(cfg.data_dir, "experiment")
     out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else data / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL_DIR

@@ -53,10 +53,10 @@ import pyarrow as pa
 import torch
 
 from lightspan.collector import store
-from lightspan.config import to_dict
+from lightspan.config import ConfigError, to_dict
 from lightspan.progress import progress
 from lightspan.trainer.config import TrainerConfig, parse_duration
-from lightspan.trainer.lora import reference, trainable_parameters, with_lora
+from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, start_server
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
@@ -215,6 +215,12 @@ class Trainer:
         cfg = self.config
         found = self.checkpoints()
         source = found[-1][1] if found else Path(cfg.model)
+        if found and is_adapter(source) != bool(cfg.lora_r):
+            kind = "a LoRA adapter" if is_adapter(source) else "a full model"
+            raise ConfigError("trainer", "lora_r", f"the checkpoint to resume, {source}, holds {kind} but "
+                              f"lora_r is {cfg.lora_r}",
+                              "resume with the setting the run started with, or start a new run in another "
+                              "output_dir (--output-dir) from --model")
         base = Path(cfg.model) if cfg.lora_r else source      # a LoRA checkpoint holds the adapter only
         if not (base / "config.json").is_file():
             raise FileNotFoundError(f"no model at {base} (config.json missing): pass --model DIR")
@@ -440,17 +446,22 @@ class Trainer:
             try:
                 result = fn()
             except SyncError as exc:
-                error = ("sync", (exc.endpoint, exc.status, exc.body, exc.attempts))
+                error = ("sync", (exc.endpoint, exc.status, exc.body, exc.attempts), getattr(exc, "__notes__", []))
                 raised = exc
-            except Exception as exc:  # noqa: BLE001 -- any error: the other ranks must hear of it, not hang
-                error = ("other", f"{type(exc).__name__}: {exc}")
+            except BaseException as exc:  # noqa: BLE001 -- any error, Ctrl-C included: the other ranks must hear of it, not hang
+                error = ("other", f"{type(exc).__name__}: {exc}", [])
                 raised = exc
         result, error = self._from_main((result, error))
         if error is None:
             return result
         if self.accelerator.is_main_process:
             raise raised
-        raise SyncError(*error[1]) if error[0] == "sync" else RuntimeError(f"rank 0 failed: {error[1]}")
+        if error[0] != "sync":
+            raise RuntimeError(f"rank 0 failed: {error[1]}")
+        exc = SyncError(*error[1])
+        for note in error[2]:
+            exc.add_note(note)
+        raise exc
 
     # ---- checkpoints and publishing --------------------------------------------------------
     def save(self, version: int) -> Path:
@@ -609,10 +620,12 @@ def run(config: TrainerConfig) -> int:
     trainer.load_or_init()
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
-    server = start_server(trainer.metrics, config.metrics_host, config.metrics_port) \
-        if trainer.accelerator.is_main_process else None
+    server = None
     try:
         trainer._on_main(trainer.ensure_published)
+        # /metrics answers (the compose health check) once the policy is served, never before
+        server = start_server(trainer.metrics, config.metrics_host, config.metrics_port) \
+            if trainer.accelerator.is_main_process else None
         if config.mode == "once":
             if trainer.train_once() is None:
                 log.info("nothing to train: fewer than %d new trainable transitions in %s",

@@ -39,6 +39,9 @@ class SyncError(RuntimeError):
         super().__init__(f"weight sync: POST {endpoint} failed after {attempts} attempt(s): {got}: "
                          f"{body[:500]}")
 
+    def __str__(self) -> str:      # the hints added with add_note() reach the log line too
+        return "\n".join([super().__str__(), *getattr(self, "__notes__", [])])
+
 
 def _retryable(status: int | None) -> bool:
     # No response (refused, reset, timed out), overload or a gateway: try again. A 500 means the

@@ -142,3 +142,16 @@ def test_lora_config_errors_name_the_field():
         with pytest.raises(ConfigError) as err:
             TrainerConfig(**{"model": "m", **kwargs})
         assert err.value.field == name
+
+
+@pytest.mark.parametrize("first_r, then_r", [(8, 0), (0, 8)])
+def test_resuming_with_the_other_kind_of_training_fails_naming_lora_r(tmp_path, tiny_model, first_r, then_r):
+    first = lora_config(tmp_path, tiny_model, batch_size=8, lora_r=first_r)
+    write(first.data_dir, transitions(1, "a"))
+    t = Trainer(first)
+    t.load_or_init()
+    assert t.train_once() is not None and t.version == 1
+    other = Trainer(lora_config(tmp_path, tiny_model, batch_size=8, lora_r=then_r))
+    with pytest.raises(ConfigError) as err:
+        other.load_or_init()
+    assert err.value.field == "trainer.lora_r" and "v000001" in str(err.value)

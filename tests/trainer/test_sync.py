@@ -224,3 +224,11 @@ def test_vllm_serves_again_after_a_failed_reload(vllm_server, tmp_path, restore_
     response = requests.post(f"{vllm_server.url}/v1/completions", timeout=30, json={
         "model": vllm_server.model_name, "prompt": [60, 61], "max_tokens": 2})
     assert response.status_code == 200                               # resumed, and the engine lives
+
+
+def test_a_sync_error_message_carries_its_hints():
+    from lightspan.trainer.sync import SyncError
+
+    exc = SyncError("/v1/load_lora_adapter", 404, "Not Found", attempts=1)
+    exc.add_note("start vLLM with --enable-lora")
+    assert "HTTP 404" in str(exc) and str(exc).endswith("start vLLM with --enable-lora")
