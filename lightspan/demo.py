@@ -152,6 +152,21 @@ def query_one(data_dir: Path, sql: str, params: list | None = None) -> tuple:
     return store.retry_vanished(query)
 
 
+def spawner(stack: ExitStack, logs: Path, env: dict, stages: Stages):
+    """``spawn(name, cmd, health=URL, timeout_s=…)``: start a process logging to ``logs/NAME.log``,
+    stopped when ``stack`` closes; with ``health``, wait (timed as a stage) until the URL answers."""
+    def spawn(name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
+              proc_env: dict | None = None) -> subprocess.Popen:
+        log_path = logs / f"{name}.log"
+        proc = _start(cmd, log_path, proc_env or env)
+        stack.callback(inference.stop, proc)
+        if health:
+            stages.time(f"start {name}", _wait_http, health, proc, timeout_s, log_path)
+        return proc
+
+    return spawn
+
+
 def _val_reward(data_dir: Path, version: int) -> tuple[float, float, int]:
     row = query_one(data_dir, """
         SELECT avg(final_reward), avg(CASE WHEN final_reward >= 1 THEN 1.0 ELSE 0.0 END), count(*)
@@ -205,14 +220,7 @@ def run(cfg: DemoConfig) -> int:
         return result
 
     with ExitStack() as stack:
-        def spawn(name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
-                  proc_env: dict | None = None) -> subprocess.Popen:
-            log_path = data / "logs" / f"{name}.log"
-            proc = _start(cmd, log_path, proc_env or env)
-            stack.callback(inference.stop, proc)
-            if health:
-                stages.time(f"start {name}", _wait_http, health, proc, timeout_s, log_path)
-            return proc
+        spawn = spawner(stack, data / "logs", env, stages)
 
         spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(cfg.grpc_port),
                                       "--http-port", str(cfg.http_port), "--api-port", str(cfg.api_port)),

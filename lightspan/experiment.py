@@ -25,7 +25,6 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -39,14 +38,13 @@ from lightspan.config import ConfigError, option
 from lightspan.demo import (
     fresh_data_dir,
     query_one,
+    spawner,
     DEFAULT_MODEL_DIR,
     Stages,
     _lightspan,
     _policy_version,
     _run_json,
-    _start,
     _trainer_stats,
-    _wait_http,
     _wait_version,
     _write_jsonl,
 )
@@ -220,14 +218,7 @@ def run(cfg: ExperimentConfig) -> int:
                  row["reward_mean"], 100 * row["solved"], row["rollouts"])
 
     with ExitStack() as stack:
-        def spawn(proc_name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
-                  proc_env: dict | None = None) -> subprocess.Popen:
-            log_path = data / "logs" / f"{proc_name}.log"
-            proc = _start(cmd, log_path, proc_env or env)
-            stack.callback(inference.stop, proc)
-            if health:
-                stages.time(f"start {proc_name}", _wait_http, health, proc, timeout_s, log_path)
-            return proc
+        spawn = spawner(stack, data / "logs", env, stages)
 
         spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
                                       "--http-port", str(ports["http"]), "--api-port", str(ports["api"])),

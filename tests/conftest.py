@@ -8,6 +8,9 @@ weights they need first.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def collector_process(data: Path, log_path: Path):
+    """The real collector service (``python -m lightspan.cli collector``) on free ports, storing in
+    ``data``; yields ``(data, ports)`` once /healthz answers, and stops it after."""
+    from lightspan import inference
+    from lightspan.demo import _wait_http
+
+    ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(data),
+                                 "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+                                 "--api-port", str(ports["api"])],
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
+        yield data, ports
+    finally:
+        inference.stop(proc)
 
 
 @pytest.fixture(scope="session")

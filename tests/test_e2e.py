@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import ARTIFACTS, free_port
+from tests.conftest import ARTIFACTS, collector_process
 
 pytestmark = pytest.mark.e2e
 
@@ -35,21 +35,9 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
-    from lightspan import inference
-    from lightspan.demo import _wait_http
-
     data = tmp_path_factory.mktemp("e2e-data")
-    ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
-    log_path = data / "collector.log"
-    proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(data),
-                             "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-                             "--api-port", str(ports["api"])],
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
-        yield data, ports
-    finally:
-        inference.stop(proc)
+    with collector_process(data, data / "collector.log") as running:
+        yield running
 
 
 def token_logprobs(model_dir: Path, ids: list[int]) -> list[float]:

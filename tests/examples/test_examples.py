@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import free_port
+from tests.conftest import collector_process
 
 pytestmark = pytest.mark.e2e
 
@@ -66,23 +66,10 @@ def small_tasks(example: str, tmp_path: Path, n: int) -> tuple[Path, Path]:
 
 @pytest.fixture
 def collector(tmp_path):
-    from lightspan import inference
-    from lightspan.demo import _wait_http
-
     data = tmp_path / "data"
     data.mkdir()
-    ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
-    log_path = tmp_path / "collector.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(data),
-                                 "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-                                 "--api-port", str(ports["api"])],
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
-            yield data, ports
-        finally:
-            inference.stop(proc)
+    with collector_process(data, tmp_path / "collector.log") as running:
+        yield running
 
 
 @pytest.mark.parametrize("example", list(CASES))

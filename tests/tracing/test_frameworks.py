@@ -30,7 +30,7 @@ import pytest
 import requests
 
 from lightspan.tracing import semconv
-from tests.conftest import free_port
+from tests.conftest import collector_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 2  # two rollouts of one task, run at once: the smallest GRPO group
@@ -122,21 +122,9 @@ def vllm_returned(exchange) -> tuple:
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
     """One real lightspan collector (OTLP gRPC → WAL → Parquet) for the whole module."""
-    from lightspan import inference
-    from lightspan.demo import _wait_http
-
     data = tmp_path_factory.mktemp("frameworks-data")
-    ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
-    log_path = data / "collector.log"
-    proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(data),
-                             "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-                             "--api-port", str(ports["api"])],
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
-        yield data, ports
-    finally:
-        inference.stop(proc)
+    with collector_process(data, data / "collector.log") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
