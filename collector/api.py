@@ -6,8 +6,8 @@ one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``ligh
 collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the
 200, and it shows in the ``rewards`` and ``rollouts`` views like a reward span an agent sent.
 Its trace and span ids are a hash of (rollout_id, name, id): posting the same reward again
-writes a row with the same ids, which the ``spans`` view's deduplication hides (the first one
-received wins). Without ``id``, a rollout has one reward per name; give ``id`` to record
+sends a span with the same ids, which the collector's writer does not store twice (the first one
+received wins; collector/dedup.py). Without ``id``, a rollout has one reward per name; give ``id`` to record
 several.
 
 ``POST /v1/sql`` / ``GET /v1/sql?q=`` — read-only SQL over the store's views: one SELECT (or

@@ -5,12 +5,13 @@ and every query pays to open them. :func:`compact_partition` merges the small fi
 partition into one, deduplicated on the table's key (as the view does: the first copy
 received wins) and sorted by rollout and time, like every file the writer produces.
 
-Readers never see a gap or an undeduplicated duplicate: the merged file is written under a
-temporary name, fsynced and renamed into the partition *before* the files it replaces are
-removed. In between (or forever, after a crash there) a reader sees both copies of each row,
-and the views deduplicate them; the next compaction merges the leftovers. The collector
-removes the replaced files only after a grace period (``COMPACT_GRACE_S`` in the server), so
-a query that listed them just before the merge can still read them.
+Readers never see a gap nor a duplicate: the merged file is written under a temporary name and
+fsynced; then a note naming the files it replaces (``part-X.supersedes.json``, see
+``store.SUPERSEDES_SUFFIX``) is committed beside it; only then is the merged file renamed into
+the partition. From that moment every reader's listing (``store.table_files``) leaves the
+replaced files out. :func:`sweep` removes them after a grace period, so a query that listed
+them before the merge still reads them, and the note last. A crash anywhere in between leaves
+a state that readers see whole and that the next sweep tidies.
 
 Files of ``LARGE_FILE_BYTES`` or more are left alone: merging them again would rewrite the
 whole day on every compaction.
@@ -28,6 +29,9 @@ import shutil
 import uuid
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
+
+import json
+import time
 
 import duckdb
 
@@ -48,10 +52,13 @@ def partitions(root: Path, table: str) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("date="))
 
 
-def small_files(partition: Path) -> list[Path]:
-    """The committed Parquet files of a partition under ``LARGE_FILE_BYTES`` (temp files excluded)."""
+def small_files(root: Path, table: str, partition: Path) -> list[Path]:
+    """The live Parquet files of a partition under ``LARGE_FILE_BYTES`` (those a merged file
+    supersedes, and temp files, excluded)."""
     files = []
-    for path in partition.glob("part-*.parquet"):
+    for path in store.table_files(root, table):
+        if path.parent != partition:
+            continue
         try:
             if path.stat().st_size < LARGE_FILE_BYTES:
                 files.append(path)
@@ -60,15 +67,16 @@ def small_files(partition: Path) -> list[Path]:
     return sorted(files)
 
 
-def compact_partition(table: str, partition: Path, files: list[Path], *, remove: bool = True) -> Path:
-    """Merge ``files`` (of one partition of ``table``) into one new file, then remove them
-    (``remove=False``: the caller removes them later, with :func:`remove_files`).
+def compact_partition(table: str, partition: Path, files: list[Path]) -> Path:
+    """Merge ``files`` (of one partition of ``table``) into one new file that supersedes them
+    (they stay on disk until :func:`sweep` removes them). Returns the new file.
 
-    Returns the new file. The merge runs in DuckDB, which spills to disk instead of holding a
-    large partition in memory.
+    The merge runs in DuckDB, which spills to disk instead of holding a large partition in memory.
     """
     final = partition / f"part-{uuid.uuid4().hex}.parquet"
     tmp = partition / f".{final.name}.tmp"
+    note = partition / (final.name[: -len(".parquet")] + store.SUPERSEDES_SUFFIX)
+    note_tmp = partition / f".{note.name}.tmp"
     listing = ", ".join(_quote(str(f)) for f in files)
     con = duckdb.connect()
     try:
@@ -79,27 +87,74 @@ def compact_partition(table: str, partition: Path, files: list[Path], *, remove:
                   QUALIFY {store.dedup_clause(table)}
                   ORDER BY {_SORT[table]})
             TO {_quote(str(tmp))} (FORMAT parquet, COMPRESSION zstd)""")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        with open(note_tmp, "w") as fh:
+            json.dump({"files": superseded_names(partition, [f.name for f in files])}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(note_tmp, note)
+        store.fsync_dir(partition)                         # the note is durable before the merged file
     except BaseException:
         tmp.unlink(missing_ok=True)
+        note_tmp.unlink(missing_ok=True)
+        note.unlink(missing_ok=True)
         raise
     finally:
         con.close()
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    os.replace(tmp, final)                                 # readers switch to the merged file here
     store.fsync_dir(partition)
-    if remove:                                             # only now: readers never see a gap
-        remove_files(files)
     return final
 
 
-def remove_files(files: list[Path]) -> None:
-    """Remove files replaced by a merged one (the views deduplicate them until then)."""
-    for path in files:
-        path.unlink(missing_ok=True)
-    for directory in {path.parent for path in files}:
-        if directory.is_dir():
-            store.fsync_dir(directory)
+def superseded_names(partition: Path, names: list[str]) -> list[str]:
+    """``names`` and, for each merged file among them whose replaced files are still on disk,
+    those files too (transitively): merging a merged file again supersedes what it superseded,
+    so a sweep that removes it removes them as well."""
+    found, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        note = partition / (name[: -len(".parquet")] + store.SUPERSEDES_SUFFIX)
+        try:
+            todo += json.loads(note.read_text())["files"]
+        except FileNotFoundError:
+            continue
+    return sorted(found)
+
+
+def sweep(root: Path, table: str, grace_s: float, now: float | None = None) -> int:
+    """Remove the files that merged files superseded ``grace_s`` seconds ago or more, then their
+    notes; a note whose merged file never appeared (a crash before it) goes alone. Returns the
+    number of files removed."""
+    now = time.time() if now is None else now
+    removed = 0
+    for partition in partitions(root, table):
+        changed = False
+        for note in sorted(partition.glob("part-*" + store.SUPERSEDES_SUFFIX)):
+            try:
+                if now - note.stat().st_mtime < grace_s:
+                    continue
+                merged = partition / (note.name[: -len(store.SUPERSEDES_SUFFIX)] + ".parquet")
+                if merged.exists():
+                    for name in json.loads(note.read_text())["files"]:
+                        path = partition / name
+                        if path.exists():
+                            path.unlink()
+                            removed += 1
+                        # a merged file merged again: its own note goes with it (its files are
+                        # in this note too, see superseded_names)
+                        (partition / (name[: -len(".parquet")] + store.SUPERSEDES_SUFFIX)).unlink(missing_ok=True)
+                    store.fsync_dir(partition)             # the files go before their note
+                note.unlink()
+                changed = True
+            except FileNotFoundError:
+                continue
+        if changed:
+            store.fsync_dir(partition)
+    return removed
 
 
 def expire_partitions(root: Path, table: str, retention_days: int, now: datetime | None = None) -> list[str]:

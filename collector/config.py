@@ -79,6 +79,16 @@ class CollectorConfig:
         10.0,
         "Refused exports (bad data, queue full, disk) are logged as warnings at most once per reason "
         "this often, with the number left out since the last line; every refusal is counted in /metrics.")
+    dedup_window_s: float = option(
+        600.0,
+        "The writer remembers the (trace_id, span_id) of the spans it wrote (and the ids of log records) "
+        "at least this long and drops a copy received again (an exporter's retry): the store is "
+        "deduplicated at write time, and its views read the files without a deduplicating window. "
+        "Longer than any exporter's retry horizon (the OpenTelemetry Collector's is 300 s).")
+    dedup_max_keys: int = option(
+        1_000_000,
+        "Most keys the writer remembers for dedup_window_s (≈ 90 bytes each); past max_keys / 2 keys in the "
+        "window it remembers at least the last max_keys / 2.")
     retention_days: int = option(
         0,
         "Delete whole date partitions of spans and logs whose day ended this many days ago or more "
@@ -138,6 +148,11 @@ class CollectorConfig:
                 or not math.isfinite(self.log_refusals_every_s) or self.log_refusals_every_s < 0):
             fail("log_refusals_every_s", f"{self.log_refusals_every_s!r} is not a number of seconds >= 0",
                  "use e.g. 10 (0 logs every refusal)")
+        if (not isinstance(self.dedup_window_s, (int, float)) or isinstance(self.dedup_window_s, bool)
+                or not math.isfinite(self.dedup_window_s) or self.dedup_window_s <= 0):
+            fail("dedup_window_s", f"{self.dedup_window_s!r} is not a positive number of seconds", "use e.g. 600")
+        if not is_int(self.dedup_max_keys) or self.dedup_max_keys < 2:
+            fail("dedup_max_keys", f"{self.dedup_max_keys!r} is not a whole number >= 2", "use e.g. 1000000")
         for name in ("compact_min_files", "retention_days"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:

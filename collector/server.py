@@ -14,8 +14,11 @@ after its request bytes are fsynced in the WAL; when the WAL cannot be written (
 the export is refused with a retryable status and counted as ``reason="disk"``, and the next
 export tries again. The queue is bounded by ``max_queue_bytes`` (Arrow bytes not yet in
 Parquet); past it, exports are refused with a retryable status and a retry delay, never dropped
-or crashed on. After a crash the WAL replays into Parquet before the receivers serve; a row
-written twice (Parquet written, segment not yet deleted) is deduplicated by the views.
+or crashed on. After a crash the WAL replays into Parquet before the receivers serve.
+
+The store is deduplicated at write time (:mod:`lightspan.collector.dedup`): the writer drops a
+span (or log record) it wrote within ``dedup_window_s``, a replayed row already in Parquet, and a
+repeat within one flush, so the views need no deduplicating window.
 
 The HTTP transports and the API live in :mod:`lightspan.collector.httpd`; compaction and
 retention in :mod:`lightspan.collector.compact`.
@@ -39,7 +42,7 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan.collector import compact as compaction
-from lightspan.collector import httpd, jsonlog, store
+from lightspan.collector import dedup, httpd, jsonlog, store
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics
@@ -65,7 +68,7 @@ _EPOCH = date(1970, 1, 1)
 _REPLAY_BATCH_BYTES = 64 << 20
 _HTTP_POLL_S = 0.1            # how fast shutdown() notices; also the idle wake-up rate
 _GRPC_GRACE_S = 5.0
-COMPACT_GRACE_S = 30.0        # compacted-away files stay this long, for queries that listed them
+COMPACT_GRACE_S = 30.0        # files a merged one replaces stay this long, for queries that listed them
 # per signal: the request parsers, the row builder, the counter prefix, the partition time column
 _SIGNALS = {
     "traces": dict(protobuf=parse_protobuf_request, json=parse_json_request, count=count_spans,
@@ -88,7 +91,6 @@ class Collector:
         self._state_lock = threading.Lock()
         self._state = "new"           # new → running → stopped (→ running again)
         self._compact_lock = threading.Lock()
-        self._retired: list[tuple[float, list[Path]]] = []   # (remove after, files) merged by compaction
         self._refusal_log = jsonlog.RateLimit(config.log_refusals_every_s)
         self._reset()
 
@@ -107,6 +109,9 @@ class Collector:
         self._grpc_port = self._http_port = self._api_port = None
         self._stop_event = threading.Event()
         self._threads: list[threading.Thread] = []
+        # per partitioned table: the keys written recently (the writer's, under _flush_lock)
+        self._recent = {name: dedup.RecentKeys(self.config.dedup_max_keys, self.config.dedup_window_s)
+                        for name in store.PARTITIONED}
 
     # --- ports ---
     @property
@@ -139,6 +144,7 @@ class Collector:
             self._bind()
             try:
                 self._wal = WAL(self.data_dir / "wal")
+                self._seed_recent()
                 self._replay()
             except BaseException:
                 self._unbind()
@@ -180,9 +186,9 @@ class Collector:
                 log.exception("final flush failed; the data stays in the WAL and replays at the next start")
             self._wal.close()
             try:
-                self._sweep(force=True)
+                self._sweep(0.0)
             except OSError:
-                log.exception("could not remove compacted files; the next compaction merges them again")
+                log.exception("could not remove compacted-away files; the next sweep removes them")
             self._api.shutdown()
             self._api.server_close()
             self._state = "stopped"
@@ -333,20 +339,50 @@ class Collector:
             return written
 
     def _write(self, signal: str, tables: list[pa.Table]) -> int:
-        """One Parquet file per UTC date, sorted by rollout and time."""
+        """One Parquet file per UTC date, sorted by rollout and time, without the rows whose key
+        was written recently or repeats in ``tables`` (the first received wins)."""
         tables = [t for t in tables if t.num_rows]
         if not tables:
             return 0
         kind = _SIGNALS[signal]
+        name = kind["table"]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        recent = self._recent[name]
+        keys = dedup.row_keys(name, table)
+        keep = recent.new_rows(keys)
+        if keep is not None:
+            self.metrics.add(f"{kind['metric']}_deduplicated_total", keep.count(False))
+            table = table.filter(pa.array(keep, pa.bool_()))
+            keys = [key for key, kept in zip(keys, keep) if kept]
+            if not table.num_rows:
+                return 0
         days = table.column(kind["time"]).to_numpy() // _NS_PER_DAY
         unique_days = np.unique(days)
         for day in unique_days:
-            part = table if len(unique_days) == 1 else table.filter(pa.array(days == day))
+            if len(unique_days) == 1:
+                part, part_keys = table, keys
+            else:
+                rows = days == day
+                part = table.filter(pa.array(rows))
+                part_keys = [key for key, chosen in zip(keys, rows.tolist()) if chosen]
             part = part.sort_by(kind["sort"])
             partition = f"date={(_EPOCH + timedelta(days=int(day))).isoformat()}"
-            store.write_table(self.data_dir, kind["table"], part, partition=partition)
+            store.write_table(self.data_dir, name, part, partition=partition)
+            recent.add(part_keys)          # committed: a retried flush leaves this part out
         return table.num_rows
+
+    def _seed_recent(self) -> None:
+        """Remember the keys written within the dedup window before this start (an exporter may
+        retry across a restart)."""
+        now = time.time()
+        for name, recent in self._recent.items():
+            files = dedup.recent_files(self.data_dir, name, now - self.config.dedup_window_s)
+            keys = dedup.load_keys(name, files, received_since_ns=int((now - self.config.dedup_window_s) * 1e9),
+                                   limit=max(self.config.dedup_max_keys // 2, 1))
+            recent.add(keys)
+            if keys:
+                log.info("remembered %d %s keys written in the last %g s", len(keys), name,
+                         self.config.dedup_window_s, extra={"table": name, "keys": len(keys), "files": len(files)})
 
     def _replay(self) -> None:
         """Segments left by a previous run → Parquet, before anything new is accepted."""
@@ -354,6 +390,10 @@ class Collector:
         if not segments:
             return
         start, skipped = time.perf_counter(), 0
+        # the Parquet that these segments may have produced before the crash: written after the
+        # oldest segment's last write
+        since = dedup.seed_since([self._wal.directory / f"{i:020d}.wal" for i in segments], 0.0)
+        stored = {kind["table"]: dedup.recent_files(self.data_dir, kind["table"], since) for kind in _SIGNALS.values()}
         tables = {signal_: [] for signal_ in _SIGNALS}
         batch_bytes, counts = 0, dict.fromkeys(_SIGNALS, 0)
         for payload in self._wal.replay(segments):
@@ -370,11 +410,11 @@ class Collector:
             batch_bytes += table.nbytes
             if batch_bytes >= _REPLAY_BATCH_BYTES:
                 for name in _SIGNALS:
-                    counts[name] += self._write(name, tables[name])
+                    counts[name] += self._write_replayed(name, tables[name], stored)
                     tables[name] = []
                 batch_bytes = 0
         for name in _SIGNALS:
-            counts[name] += self._write(name, tables[name])
+            counts[name] += self._write_replayed(name, tables[name], stored)
         self._wal.delete(segments)
         self.metrics.add("spans_replayed_total", counts["traces"])
         self.metrics.add("spans_written_total", counts["traces"])
@@ -383,6 +423,18 @@ class Collector:
                  counts["traces"], counts["logs"], len(segments),
                  extra={"spans": counts["traces"], "log_records": counts["logs"], "wal_segments": len(segments),
                         "skipped_records": skipped, "seconds": round(time.perf_counter() - start, 4)})
+
+    def _write_replayed(self, signal: str, tables: list[pa.Table], stored: dict[str, list[Path]]) -> int:
+        """:meth:`_write` for replayed rows, less those already in the files in ``stored``."""
+        tables = [t for t in tables if t.num_rows]
+        if not tables:
+            return 0
+        name = _SIGNALS[signal]["table"]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        fresh = dedup.drop_stored(name, table, stored[name])
+        if fresh.num_rows < table.num_rows:
+            self.metrics.add(f"{_SIGNALS[signal]['metric']}_deduplicated_total", table.num_rows - fresh.num_rows)
+        return self._write(signal, [fresh])
 
     def _writer_loop(self) -> None:
         interval = min(self.config.flush_interval_s, threading.TIMEOUT_MAX)
@@ -406,35 +458,29 @@ class Collector:
         """Merge the small Parquet files of every date partition (spans and logs) that has at
         least ``min_files`` of them into one file; returns the number of files merged away.
 
-        The merged-away files are removed ``grace_s`` seconds later (by the writer, or at stop),
-        so queries that listed them before the merge still read them; 0 removes them at once."""
+        Readers switch to the merged file at once; the files it replaces are removed ``grace_s``
+        seconds later (by the writer, or at stop), so queries that listed them still read them."""
         merged = 0
         with self._compact_lock:
-            retired = {path for _, files in self._retired for path in files}
             for table in store.PARTITIONED:
                 for partition in compaction.partitions(self.data_dir, table):
-                    files = [f for f in compaction.small_files(partition) if f not in retired]
+                    files = compaction.small_files(self.data_dir, table, partition)
                     if len(files) < max(min_files, 2):
                         continue
-                    compaction.compact_partition(table, partition, files, remove=grace_s <= 0)
-                    if grace_s > 0:
-                        self._retired.append((time.monotonic() + grace_s, files))
+                    compaction.compact_partition(table, partition, files)
                     merged += len(files)
                     self.metrics.add("compactions_total")
                     self.metrics.add("files_compacted_total", len(files))
                     log.info("compacted %d files of %s/%s", len(files), table, partition.name,
                              extra={"table": table, "partition": partition.name, "files": len(files)})
-        self._sweep()
+        self._sweep(grace_s)
         return merged
 
-    def _sweep(self, force: bool = False) -> None:
-        """Remove compacted-away files whose grace period is over (all of them with ``force``)."""
+    def _sweep(self, grace_s: float = COMPACT_GRACE_S) -> None:
+        """Remove the files merged files replaced ``grace_s`` seconds ago or more."""
         with self._compact_lock:
-            now = time.monotonic()
-            due = [files for deadline, files in self._retired if force or deadline <= now]
-            self._retired = [(d, files) for d, files in self._retired if not (force or d <= now)]
-        for files in due:
-            compaction.remove_files(files)
+            for table in store.PARTITIONED:
+                compaction.sweep(self.data_dir, table, grace_s)
 
     def expire(self) -> list[str]:
         """Delete date partitions older than ``retention_days`` (0 keeps all); returns their paths."""

@@ -16,6 +16,7 @@ Layout of a data directory::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -158,8 +159,8 @@ _TABLES = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps"
 TABLES = tuple(_TABLES)
 """The base tables: one directory each under the data directory."""
 
-# tables written by the collector: hive-partitioned by date, deduplicated (at-least-once delivery)
-# on these keys, keeping the first copy received
+# tables written by the collector: hive-partitioned by date, deduplicated on these keys when
+# written (at-least-once delivery: the first copy received wins; see collector/dedup.py)
 PARTITIONED = {"spans": ("trace_id", "span_id"), "logs": ("record_id",)}
 
 # Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
@@ -193,6 +194,12 @@ _VIEWS = {
 }
 
 
+SUPERSEDES_SUFFIX = ".supersedes.json"
+"""Compaction's note beside a merged file ``part-X.parquet``: ``part-X.supersedes.json`` holds
+``{"files": [names]}``, the files of the same partition it replaces. Once ``part-X.parquet`` is
+there, readers leave those files out; compaction removes them later (collector/compact.py)."""
+
+
 def _glob(root: Path, table: str) -> str | None:
     base = root / table
     if not base.is_dir() or not any(base.rglob("*.parquet")):
@@ -200,28 +207,74 @@ def _glob(root: Path, table: str) -> str | None:
     return str(base / "**" / "*.parquet")
 
 
+def _listing(base: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    entries = []
+    for directory in sorted(base.glob("date=*")):
+        try:
+            entries.append((directory.name, tuple(sorted(os.listdir(directory)))))
+        except FileNotFoundError:        # a partition expired under the listing
+            continue
+    return tuple(entries)
+
+
+def table_files(path: str | os.PathLike | None, table: str) -> list[Path]:
+    """The committed Parquet files of partitioned ``table`` that hold its rows: every
+    ``date=*/part-*.parquet`` except those a merged file supersedes (see ``SUPERSEDES_SUFFIX``).
+
+    Two listings in a row must agree (a directory listing is not a snapshot), so a reader never
+    sees a merged file together with the files it replaces, nor neither of them.
+    """
+    base = data_dir(path) / table
+    if not base.is_dir():
+        return []
+    previous = None
+    for _ in range(20):
+        listing = _listing(base)
+        if listing != previous:
+            previous = listing
+            continue
+        files = []
+        try:
+            for partition, names in listing:
+                superseded = set()
+                for name in names:
+                    merged = name[: -len(SUPERSEDES_SUFFIX)] + ".parquet" if name.endswith(SUPERSEDES_SUFFIX) else None
+                    if merged in names:
+                        superseded.update(json.loads((base / partition / name).read_text())["files"])
+                files += [base / partition / n for n in names
+                          if n.startswith("part-") and n.endswith(".parquet") and n not in superseded]
+        except FileNotFoundError:        # removed since the listing: list again
+            previous = None
+            continue
+        return files
+    raise OSError(f"the files of {base} kept changing over 20 listings")
+
+
 def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
     ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``.
 
-    ``spans`` is deduplicated on (trace_id, span_id) and ``logs`` on record_id: OTLP delivery is
-    at-least-once.
-    A table with no files yet is an empty view with the right columns.
+    The views read the files as they are: the collector writes ``spans`` deduplicated on
+    (trace_id, span_id) and ``logs`` on record_id (collector/dedup.py), so no view pays for a
+    deduplicating window. ``spans`` and ``logs`` read the files committed when the connection
+    opened (:func:`table_files`): open a connection per query or task to see newer ones. A table
+    with no files yet is an empty view with the right columns.
     """
     root = data_dir(path)
     con = duckdb.connect(database)
     for table, schema in _TABLES.items():
-        glob = _glob(root, table)
         con.register(f"_{table}_empty", schema.empty_table())
         source = f"SELECT * FROM _{table}_empty"
-        if glob is not None:
-            hive = "true" if table in PARTITIONED else "false"
-            source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning={hive}, union_by_name=true)"
-            if table in PARTITIONED:
-                source = f"SELECT * EXCLUDE (date) FROM ({source})"
+        if table in PARTITIONED:         # a snapshot of the files: see table_files
+            files = table_files(root, table)
+            if files:
+                listing = ", ".join(_quote(str(f)) for f in files)
+                source = (f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, "
+                          f"union_by_name=true)")
+                source = with_all_columns(con, table, source)
+        elif (glob := _glob(root, table)) is not None:
+            source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning=false, union_by_name=true)"
             source = with_all_columns(con, table, source)
-        if table in PARTITIONED:
-            source += f" QUALIFY {dedup_clause(table)}"
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
     for name, sql in _VIEWS.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
@@ -257,7 +310,8 @@ def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
 
 
 def dedup_clause(table: str) -> str:
-    """The QUALIFY condition that keeps one row per dedup key of a partitioned table."""
+    """The QUALIFY condition that keeps one row per dedup key of a partitioned table (compaction
+    applies it to the files it merges)."""
     return f"row_number() OVER (PARTITION BY {', '.join(PARTITIONED[table])} ORDER BY received_unix_nano) = 1"
 
 
@@ -285,3 +339,7 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -347,12 +347,8 @@ _REGISTERED = ("_lrl_files", "_lrl_pending", "_lrl_tok")
 
 
 def span_files(data_dir) -> list[str]:
-    """The committed Parquet files of ``data_dir/spans`` (as the ``spans`` view globs them)."""
-    root = store.data_dir(data_dir) / "spans"
-    if not root.is_dir():
-        return []
-    return sorted(str(p) for p in root.rglob("*.parquet")
-                  if not any(part.startswith(".") for part in p.relative_to(root).parts))
+    """The Parquet files holding ``data_dir``'s spans, as the ``spans`` view reads them."""
+    return [str(p) for p in store.table_files(data_dir, "spans")]
 
 
 def build_transitions(con: duckdb.DuckDBPyConnection, config: TransitionsConfig, *,

@@ -84,7 +84,7 @@ def test_posted_rewards_are_durable_idempotent_and_show_in_the_views(collector_f
     not_json = requests.post(url, data=b"{oops", timeout=5)
     assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]
     collector.flush()
-    assert raw_rows(data_dir) == 3 + 5                        # the re-post is stored...
+    assert raw_rows(data_dir) == 3 + 4                        # the re-post is not stored again...
     assert query(data_dir, """SELECT rollout_key, reward_name, reward FROM rewards
                               ORDER BY rollout_key, reward_name, reward""") == [
         ("r1", "judge", 0.25), ("r1", "judge", 0.75), ("r1", "reward", 1.0), ("r2", "reward", -1.0)]  # ...once
@@ -92,6 +92,7 @@ def test_posted_rewards_are_durable_idempotent_and_show_in_the_views(collector_f
         (3 + 3, 2, "task-1")]
     assert query(data_dir, "SELECT task_id, final_reward FROM rollouts WHERE rollout_key = 'r2'") == [("t9", -1.0)]
     assert collector.metrics.snapshot()["rewards_accepted_total"] == 5
+    assert collector.metrics.snapshot()["spans_deduplicated_total"] == 1
     replayed = Collector(config(crashed)).start()              # durable before the 200
     try:
         assert query(crashed, "SELECT rollout_key, reward FROM rewards") == [("r1", 1.0)]

@@ -59,7 +59,8 @@ def test_http_exporter_gzip_and_resent_batch_is_deduplicated(collector_factory, 
     assert exporter.export(spans) == SpanExportResult.SUCCESS
     assert exporter.export(spans) == SpanExportResult.SUCCESS   # at-least-once: the same batch again
     collector.flush()
-    assert raw_rows(data_dir) == 6
+    assert raw_rows(data_dir) == 3                               # the writer kept the first copy only
+    assert collector.metrics.snapshot()["spans_deduplicated_total"] == 3
     assert query(data_dir, "SELECT count(*), count(DISTINCT rollout_id) FROM spans") == [(3, 1)]
     assert query(data_dir, "SELECT num_llm_calls FROM rollouts WHERE rollout_key = 'rollout-http'") == [(2,)]
     exporter.shutdown()
