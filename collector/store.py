@@ -208,18 +208,26 @@ def _glob(root: Path, table: str) -> str | None:
 
 
 def _listing(base: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    entries = []
-    for directory in sorted(base.glob("date=*")):
+    """(directory relative to ``base``, its entries) of every hive directory (``key=value``) under
+    ``base``: ``date=…``, or ``collector=…/date=…`` in a tree merged from several collectors."""
+    entries, todo = [], [""]
+    while todo:
+        relative = todo.pop()
         try:
-            entries.append((directory.name, tuple(sorted(os.listdir(directory)))))
+            names = tuple(sorted(os.listdir(base / relative)))
         except FileNotFoundError:        # a partition expired under the listing
             continue
-    return tuple(entries)
+        if relative:
+            entries.append((relative, names))
+        todo += [os.path.join(relative, n) for n in names if "=" in n and not n.startswith(".")
+                 and not n.endswith(".parquet") and not n.endswith(".json")]
+    return tuple(sorted(entries))
 
 
 def table_files(path: str | os.PathLike | None, table: str) -> list[Path]:
     """The committed Parquet files of partitioned ``table`` that hold its rows: every
-    ``date=*/part-*.parquet`` except those a merged file supersedes (see ``SUPERSEDES_SUFFIX``).
+    ``date=*/part-*.parquet`` (at any depth of hive directories) except those a merged file
+    supersedes (see ``SUPERSEDES_SUFFIX``).
 
     Two listings in a row must agree (a directory listing is not a snapshot), so a reader never
     sees a merged file together with the files it replaces, nor neither of them.
@@ -272,6 +280,10 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
                 source = (f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, "
                           f"union_by_name=true)")
                 source = with_all_columns(con, table, source)
+                if any(len(f.relative_to(root / table).parts) > 2 for f in files):
+                    # a tree merged from several collectors (collector=<n>/date=…): a batch
+                    # retried to another collector is in it twice, so this view deduplicates
+                    source += f" QUALIFY {dedup_clause(table)}"
         elif (glob := _glob(root, table)) is not None:
             source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning=false, union_by_name=true)"
             source = with_all_columns(con, table, source)

@@ -147,8 +147,8 @@ ROLLOUT_PARAMS = ("task", "split", "agent", "min_reward", "max_reward", "version
 
 # One rollout per row, once per request into a temp table that the count and the page read: the
 # rollouts view (without its num_llm_calls, which would read every span's prompt token ids), the
-# agents of its GenAI spans and its trace ids. Only light columns are read. Reading through the
-# deduplicating views costs a scan of every span, so each request does as few as it can.
+# agents of its GenAI spans and its trace ids. Only light columns are read; each request scans the
+# spans as few times as it can.
 _ROLLOUTS_TABLE_SQL = """
 CREATE OR REPLACE TEMP TABLE _ui_rollouts AS
 SELECT r.rollout_key, r.task_id, r.split, r.service_name, r.num_spans, r.final_reward, r.has_error,
@@ -160,8 +160,9 @@ LEFT JOIN (SELECT coalesce(rollout_id, trace_id) AS rollout_key,
                   list(DISTINCT trace_id) AS traces
            FROM spans GROUP BY 1) a USING (rollout_key)
 """
-# the LLM calls of the page's rollouts; the trace ids let DuckDB filter below the views'
-# deduplication (its partition key), so only those traces' token lists are read
+# the LLM calls of the page's rollouts; the trace ids let DuckDB filter the scan (and, in a tree
+# merged from several collectors, below the view's deduplication), so only those traces' token
+# lists are read
 _PAGE_CALLS_SQL = """
 SELECT rollout_key, count(*) FROM llm_calls
 WHERE list_contains($traces::VARCHAR[], trace_id) AND list_contains($keys::VARCHAR[], rollout_key)
@@ -237,7 +238,7 @@ def facets(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
 # --- one rollout ---------------------------------------------------------------------------------
 
 # The rollout's traces first (light columns); every later query filters on them as well as on the
-# key, so DuckDB reads only those traces' rows below the views' deduplication.
+# key, so DuckDB reads only those traces' rows.
 _TRACES_SQL = "SELECT DISTINCT trace_id FROM spans WHERE coalesce(rollout_id, trace_id) = $key"
 _IN_TRACES = "list_contains($traces::VARCHAR[], trace_id)"   # (faster here than IN (SELECT unnest(...)))
 _SPANS_SQL = f"""
