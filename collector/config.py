@@ -37,7 +37,8 @@ class CollectorConfig:
         "longer interval means fewer, larger files and more data waiting in the WAL.")
     max_queue_bytes: int = option(
         256 * MiB,
-        "Bytes of accepted spans (Arrow size) waiting for Parquet. Past it, exports are refused "
+        "Bytes of accepted exports waiting for Parquet (a trace request's protobuf size: the writer "
+        "flattens it; a log request's Arrow size). Past it, exports are refused "
         "with a retryable status (gRPC UNAVAILABLE + RetryInfo, HTTP 503 + Retry-After).")
     grpc_max_receive_bytes: int = option(
         64 * MiB,

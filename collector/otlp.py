@@ -293,6 +293,45 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
     return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
 
 
+def _check_span(span) -> None:
+    """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row."""
+    _id(span.trace_id, "trace_id", 16, _ZERO_TRACE)
+    _id(span.span_id, "span_id", 8, _ZERO_SPAN)
+    if span.parent_span_id:
+        _id(span.parent_span_id, "parent_span_id", 8, _ZERO_SPAN)
+    _time(span.start_time_unix_nano, "start_time_unix_nano")
+    _time(span.end_time_unix_nano, "end_time_unix_nano")
+    for event in span.events:
+        _time(event.time_unix_nano, "event time")
+    for kv in span.attributes:
+        if kv.key in _PACKED_KEYS:
+            try:
+                _PACKED_KEYS[kv.key](kv.value, kv.key)
+            except _Keep:
+                pass
+
+
+_PACKED_KEYS = {key: convert for key, _, convert in _PROMOTED if convert in (_packed, _choices)}
+
+
+def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None]:
+    """What :func:`flatten` would accept, at a fraction of its cost: (spans accepted, spans
+    rejected, first rejection reason). The receivers answer with this; the writer flattens."""
+    accepted, rejected, first_error = 0, 0, None
+    for r, resource_spans in enumerate(request.resource_spans):
+        for s, scope_spans in enumerate(resource_spans.scope_spans):
+            for i, span in enumerate(scope_spans.spans):
+                try:
+                    _check_span(span)
+                except (_Reject, ValueError, TypeError, OverflowError) as exc:
+                    rejected += 1
+                    if first_error is None:
+                        first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
+                    continue
+                accepted += 1
+    return accepted, rejected, first_error
+
+
 def count_spans(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 

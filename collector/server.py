@@ -2,10 +2,10 @@
 
 ::
 
-    gRPC :4317 ─┐                                           ┌─ every flush_interval_s or flush():
-                ├─ export(bytes) ─ parse ─ flatten ─ admit ─┤  {rotate WAL; drain queue} ─ Parquet
-    HTTP :4318 ─┘        {WAL write; enqueue} → fsync → ack └─ then delete the closed segments,
-    API  :8321 ─ POST /v1/rewards ─┘                           compact, expire old partitions
+    gRPC :4317 ─┐                                          ┌─ every flush_interval_s or flush():
+                ├─ export(bytes) ─ parse ─ check ─ admit ──┤  {rotate WAL; drain queue} ─ flatten ─
+    HTTP :4318 ─┘       {WAL write; enqueue} → fsync → ack │  dedup ─ Parquet; then delete the closed
+    API  :8321 ─ POST /v1/rewards ─┘                       └─ segments, compact, expire old partitions
 
 One ``export`` handler serves every transport and both signals (traces and logs); the
 transports only frame bytes and map the result's :class:`Outcome` to a status with
@@ -46,7 +46,7 @@ from lightspan.collector import dedup, httpd, jsonlog, store
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import (DecodeError, count_log_records, count_spans, flatten, flatten_logs,
+from lightspan.collector.otlp import (DecodeError, check, count_log_records, count_spans, flatten, flatten_logs,
                                       parse_json_logs_request, parse_json_request, parse_protobuf_request)
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, retry_info, status_for
 from lightspan.collector.wal import WAL
@@ -97,7 +97,8 @@ class Collector:
     def _reset(self) -> None:
         self._lock = threading.Lock()          # the handoff: {WAL write; enqueue} vs {rotate; drain}
         self._flush_lock = threading.Lock()    # one flush at a time
-        self._queue: list[tuple[str, pa.Table, int]] = []   # (signal, rows, Arrow bytes)
+        # (signal, request bytes (traces) or rows (logs), received_unix_nano, rejected, bytes)
+        self._queue: list[tuple[str, bytes | pa.Table, int, int, int]] = []
         self._queue_bytes = 0                  # queued + drained but not yet in Parquet
         self._pending: tuple[list, list[int]] | None = None  # what a failed flush left behind
         self._accepting = False
@@ -257,10 +258,15 @@ class Collector:
         total = kind["count"](request)
         noun = kind["metric"]
         self.metrics.add(f"{noun}_received_total", total)
-        table, rejected, first_error = kind["flatten"](request, time.time_ns())
+        received = time.time_ns()
+        if signal == "traces":   # checked here, flattened by the writer, off the request path
+            accepted, rejected, first_error = check(request)
+            data, size = payload, len(payload)
+        else:                    # log records are few: flattened here
+            data, rejected, first_error = kind["flatten"](request, received)
+            accepted, size = data.num_rows, data.nbytes
         message = f"{rejected} of {total} {noun.replace('_', ' ')} rejected; first: {first_error}" if rejected else ""
-        if table.num_rows:
-            size = table.nbytes
+        if accepted:
             with self._lock:
                 if not self._accepting:
                     return self.refuse(Outcome.UNAVAILABLE, "the collector is stopping", signal)
@@ -273,7 +279,7 @@ class Collector:
                 except OSError as exc:   # disk full or I/O error: nothing was acknowledged; retry later
                     log.error("WAL write failed: %s", exc)
                     return self.refuse(Outcome.DISK, f"WAL write failed: {exc.strerror or exc}", signal)
-                self._queue.append((signal, table, size))
+                self._queue.append((signal, data, received, rejected, size))
                 self._queue_bytes += size
             try:
                 self._wal.sync(position)   # outside the lock: concurrent exports share an fsync
@@ -281,11 +287,11 @@ class Collector:
                 # not acknowledged; the rows stay queued (a retry is deduplicated by the views)
                 log.error("WAL fsync failed: %s", exc)
                 return self.refuse(Outcome.DISK, f"WAL fsync failed: {exc.strerror or exc}", signal)
-            self.metrics.add(f"{noun}_accepted_total", table.num_rows)
+            self.metrics.add(f"{noun}_accepted_total", accepted)
         if rejected:
             self.metrics.add(f"{noun}_rejected_total", rejected)
             log.debug("export: %s", message)
-        return ExportResult(Outcome.OK, message, table.num_rows, rejected, signal)
+        return ExportResult(Outcome.OK, message, accepted, rejected, signal)
 
     def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:
         """Count a refused request and describe it (transports use this for their own checks)."""
@@ -318,7 +324,9 @@ class Collector:
                 return written
             try:
                 for signal_, kind in _SIGNALS.items():
-                    written[kind["table"]] = self._write(signal_, [t for s, t, _ in items if s == signal_])
+                    tables = [self._rows(data, received, rejected) for s, data, received, rejected, _ in items
+                              if s == signal_]
+                    written[kind["table"]] = self._write(signal_, tables)
             except Exception:
                 self._pending = (items, closed)   # all of it again: a duplicate file is deduplicated
                 self.metrics.add("flush_errors_total")
@@ -328,7 +336,7 @@ class Collector:
             except OSError:
                 log.exception("could not delete WAL segments %s; they will replay (duplicates are harmless)", closed)
             with self._lock:
-                self._queue_bytes -= sum(size for _, _, size in items)
+                self._queue_bytes -= sum(size for *_, size in items)
             self.metrics.add("spans_written_total", written["spans"])
             self.metrics.add("log_records_written_total", written["logs"])
             seconds = time.perf_counter() - start
@@ -337,6 +345,17 @@ class Collector:
                      extra={"spans": written["spans"], "log_records": written["logs"], "wal_segments": len(closed),
                             "seconds": round(seconds, 4)})
             return written
+
+    def _rows(self, data: bytes | pa.Table, received: int, rejected: int) -> pa.Table:
+        """The rows of a queued export: a trace request's bytes are flattened here (the receivers
+        checked them with :func:`otlp.check`, so every span they counted as accepted converts)."""
+        if isinstance(data, pa.Table):
+            return data
+        table, flattened_rejected, first_error = flatten(parse_protobuf_request(data), received)
+        if flattened_rejected != rejected:   # check() and flatten() disagree: a bug, and loud
+            log.error("an acknowledged request flattened with %d spans rejected, %d when checked; first: %s",
+                      flattened_rejected, rejected, first_error)
+        return table
 
     def _write(self, signal: str, tables: list[pa.Table]) -> int:
         """One Parquet file per UTC date, sorted by rollout and time, without the rows whose key

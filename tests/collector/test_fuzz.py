@@ -418,3 +418,17 @@ def test_grpc_fuzz_traces_and_logs(fuzzed):
     snapshot = fuzzed.metrics.snapshot()     # the fuzz reached the flattener, not only the parser
     assert snapshot["spans_rejected_total"] > 100 and snapshot["spans_accepted_total"] > len(valid.sent) * 2  # some fuzzed spans stored too
     assert snapshot["log_records_rejected_total"] > 10 and snapshot["log_records_accepted_total"] > 10
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(structured_traces(), mutated(TRACE_SEEDS)))
+def test_check_accepts_exactly_what_flatten_converts(body):
+    """The receivers answer with otlp.check and the writer flattens later: an acknowledged span
+    that failed to flatten would be lost, so the two must agree on every span."""
+    try:
+        request = otlp.parse_protobuf_request(body)
+    except otlp.DecodeError:
+        return
+    table, rejected, first_error = otlp.flatten(request, 1)
+    assert otlp.check(request) == (table.num_rows, rejected, first_error)
