@@ -20,8 +20,12 @@
    lookup, not a matmul) and the peak the GPU's dense bf16 tensor-core rate from ``PEAK_TFLOPS``
    (H100/H200 SXM: 989 TFLOP/s). 6N ignores attention's own FLOPs and counts the LM head on
    prompt positions that the trainer skips (``logits_to_keep``): both small at these lengths.
-5. NCCL weight sync is timed only where vLLM is importable and lightspan has an NCCL backend;
-   otherwise the JSON says why it was skipped.
+5. Where vllm is importable and a second GPU exists (NCCL refuses two ranks of one group on one
+   device), times lightspan's ``nccl`` weight sync (trainer/sync.py ``NcclSync``): starts a vLLM
+   server on the second GPU (``--load-format dummy``, float32, dev mode, ``--weight-transfer-config
+   '{"backend": "nccl"}'``), joins its NCCL group, pushes the trained model ``--nccl-syncs`` times
+   and checks that vLLM's prompt logprobs of a fixed sequence then match the trainer's (fp32).
+   Otherwise the JSON says why it was skipped.
 
 Writes one JSON object to --out (default ``$OUT/gpu_check.json``, else ``bench/gpu_check.json``)
 and prints it.
@@ -36,6 +40,9 @@ import json
 import logging
 import os
 import platform
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,14 +117,127 @@ def synthetic_rows(n: int, prompt_len: int, completion_len: int, vocab: int, see
     return rows
 
 
-def nccl_sync_status() -> dict:
+def nccl_skip_reason(cuda: bool) -> str | None:
+    """Why NCCL weight sync cannot be timed here, or None."""
+    import torch
+
+    if not cuda:
+        return "no GPU"
     if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vllm is not importable"}
-    sync = importlib.import_module("lightspan.trainer.sync")
-    if not any("nccl" in name.lower() for name in dir(sync)):
-        return {"skipped": "vllm is importable, but trainer/sync.py has no NCCL backend yet"}
-    return {"skipped": "an NCCL backend exists, but timing it needs a vLLM server on a second GPU: "
-                       "not part of this single-GPU check"}
+        return "vllm is not importable (the trainer end of vLLM's NCCL group is vllm's own code)"
+    problem = importlib.import_module("lightspan.trainer.sync").nccl_problem()
+    if problem:
+        return problem
+    if torch.cuda.device_count() < 2:
+        return "one GPU: NCCL refuses two ranks of one group on one device, so vLLM needs a second GPU"
+    return None
+
+
+def full_vocab_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one token per id (``<t0>`` .. ``<tN-1>``), built offline, so vLLM
+    can detokenize any id a random model samples."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>", eos_token="<t1>", pad_token="<t2>")
+
+
+def start_dummy_vllm(config, tmp: Path, gpu: str, python: str = sys.executable) -> tuple[subprocess.Popen, str, Path]:
+    """A vLLM server on GPU ``gpu`` for ``config`` with random (dummy) weights, in dev mode with the
+    NCCL weight-transfer engine; returns (process, url, log path) once it is healthy."""
+    import requests
+
+    served = tmp / "served"
+    config.save_pretrained(served)                   # --load-format dummy: the config is all vLLM reads
+    full_vocab_tokenizer(config.vocab_size).save_pretrained(served)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, log_path = f"http://127.0.0.1:{port}", tmp / "vllm.log"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
+           "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--load-format", "dummy",
+           "--max-model-len", str(min(1024, config.max_position_embeddings)),
+           "--gpu-memory-utilization", "0.5", "--weight-transfer-config", '{"backend": "nccl"}']
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {proc.returncode} before it was healthy")
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM was not healthy within 240 s")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    return proc, url, log_path
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+    except BaseException as exc:
+        _stop(proc)
+        exc.add_note(log_path.read_text(errors="replace")[-3000:])
+        raise
+
+
+def time_nccl_sync(model, tmp: Path, syncs: int) -> dict:
+    """Start vLLM on the second visible GPU with dummy weights, then push ``model`` (on the first)
+    ``syncs`` times with NcclSync; returns timings and the logprob check, or the error."""
+    import torch
+
+    from lightspan.trainer.sync import NcclSync, prompt_logprobs
+
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpu = visible[1] if len(visible) > 1 else "1"
+    proc = None
+    try:
+        t0 = time.monotonic()
+        proc, url, _ = start_dummy_vllm(model.config, tmp, gpu)
+        startup_s = time.monotonic() - t0
+        ids = list(range(10, 42))
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=next(model.parameters()).device)).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+        def diff():
+            return max(abs(a - b) for a, b in zip(prompt_logprobs(url, "policy", ids), expected))
+
+        before = diff()
+        sync = NcclSync(url, lambda: model)
+        pushes = [sync.push(tmp / "unused", version) for version in range(1, syncs + 1)]
+        after = diff()
+        sync.close()
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        transfer = [p["sync_rpc_seconds"] for p in pushes]
+        return {"vllm": importlib.import_module("vllm").__version__, "server_gpu": gpu,
+                "server": "float32, --load-format dummy, --enforce-eager", "vllm_startup_seconds": round(startup_s, 1),
+                "bytes_per_sync": nbytes, "syncs": syncs, "init_seconds": round(pushes[0]["sync_init_seconds"], 4),
+                "sync_seconds": [round(p["sync_seconds"] - p.get("sync_init_seconds", 0.0), 4) for p in pushes],
+                "transfer_seconds": [round(t, 4) for t in transfer],
+                "gb_per_second": round(nbytes / min(transfer) / 1e9, 3),
+                "max_abs_logprob_diff_before": before, "max_abs_logprob_diff_after": after}
+    except Exception as exc:  # noqa: BLE001 -- the report says what failed; the training figures stand
+        return {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+    finally:
+        if proc is not None:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM vLLM's process group (its engine runs in child processes), SIGKILL after 30 s."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run(args) -> dict:
@@ -166,6 +286,12 @@ def run(args) -> dict:
             if step >= args.warmup:
                 step_times.append(time.monotonic() - t0)
                 losses.append(metrics["loss"])
+        peak_memory = torch.cuda.max_memory_allocated() if cuda else None
+
+        skip = nccl_skip_reason(cuda) if args.nccl_syncs > 0 else "--nccl-syncs 0"
+        # fp32 forward for the logprob check: without accelerate's bf16 autocast wrapper
+        nccl = {"skipped": skip} if skip else time_nccl_sync(
+            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False), Path(tmp), args.nccl_syncs)
 
     tokens = args.batch * (args.prompt_len + args.completion_len)
     mean_s = sum(step_times) / len(step_times)
@@ -184,12 +310,12 @@ def run(args) -> dict:
                   "mean_seconds": round(mean_s, 6), "min_seconds": round(min(step_times), 6)},
         "losses": losses,
         "tokens_per_second": round(tokens / mean_s, 1),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+        "peak_memory_gib": round(peak_memory / 2**30, 3) if cuda else None,
         "achieved_tflops": round(achieved, 3),
         "peak_bf16_tflops": peak,
         "mfu": round(achieved / peak, 4) if peak else None,
         "mfu_formula": "6 * flop_parameters * tokens_per_step / mean_seconds / peak_bf16_tflops",
-        "nccl_weight_sync": nccl_sync_status(),
+        "nccl_weight_sync": nccl,
     }
 
 
@@ -211,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default=None, choices=["bf16", "no"],
                    help="accelerate mixed precision (default bf16; smoke no)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not in PEAK_TFLOPS")
+    p.add_argument("--nccl-syncs", type=int, default=3,
+                   help="NCCL weight syncs to time where vllm and a second GPU exist (0: none)")
     args = p.parse_args(argv)
     defaults = dict(steps=(2, 10), warmup=(1, 2), batch=(4, 16), prompt_len=(24, 512), completion_len=(16, 512),
                     micro_batch=(2, 4), precision=("no", "bf16"))

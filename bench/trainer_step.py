@@ -5,7 +5,8 @@
 The same batch of synthetic transitions (random token ids, equal prompt and completion lengths,
 advantages alternating +1 / -1, behaviour logprobs near a uniform policy's) goes through three
 optimizer steps, each on its own copy of the same initial weights (float32, CPU) and its own
-torch AdamW (lr 1e-6), with the same micro-batches (gradient accumulation):
+torch AdamW (lr 1e-6; the fused kernel for all three, as the trainer uses it: TRL's
+``optim="adamw_torch_fused"``), with the same micro-batches (gradient accumulation):
 
 1. lightspan: ``Trainer.step`` (trainer/loop.py), loss ``dapo``, truncated IS against the
    behaviour logprobs on: collate from the rows, token logprobs and entropy, the clipped loss,
@@ -98,7 +99,7 @@ class Lightspan:
 class Raw:
     def __init__(self, model, rows: list[dict], micro: int, optimizer_step: bool):
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.micro = [collate(rows[i:i + micro], 0) for i in range(0, len(rows), micro)]
         self.tokens = sum(float(mb.completion_mask.sum()) for mb in self.micro)
         self.optimizer_step = optimizer_step
@@ -141,7 +142,7 @@ class TRL:
         self.trainer.current_gradient_accumulation_steps = batch // micro
         self.model = self.trainer.model
         assert not getattr(self.model, "is_activation_checkpointing", False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.inputs = []
         tokens = sum(len(r["completion_token_ids"]) for r in rows)
         for i in range(0, batch, micro):

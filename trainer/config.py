@@ -14,7 +14,7 @@ from lightspan.config import ConfigError, option
 SECTION = "trainer"
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
-SYNCS = ("reload", "lora", "none")
+SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -45,7 +45,10 @@ class TrainerConfig:
     sync: str = option("reload", "Weight sync backend: 'reload' (save safetensors, vLLM reloads them "
                        "in place; needs VLLM_SERVER_DEV_MODE=1), 'lora' (save the adapter, load it with "
                        "/v1/load_lora_adapter; needs lora_r > 0 and vLLM with --enable-lora and "
-                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) or 'none' (only write policy.json).",
+                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), 'nccl' (broadcast the live weights over NCCL, "
+                       "vLLM's native weight transfer; GPU only, needs vllm installed in the trainer's "
+                       "environment and vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                       "'{\"backend\": \"nccl\"}' on other GPUs) or 'none' (only write policy.json).",
                        choices=SYNCS)
     # LoRA (peft)
     lora_r: int = option(0, "LoRA rank (Hu et al. 2021, arXiv:2106.09685); 0 = full fine-tuning. vLLM must "
@@ -140,9 +143,17 @@ class TrainerConfig:
         if self.sync == "lora" and not self.lora_r:
             fail("sync", "'lora' pushes a LoRA adapter, but lora_r is 0 (full fine-tuning)",
                  "pass --lora-r 16 (or another rank), or --sync reload")
-        if self.lora_r and self.sync == "reload":
-            fail("sync", "'reload' pushes full weights, but with lora_r > 0 the trainer saves only the adapter",
+        if self.lora_r and self.sync in ("reload", "nccl"):
+            fail("sync", f"'{self.sync}' pushes full weights, but with lora_r > 0 the trainer trains only the adapter",
                  "pass --sync lora (vLLM loads the adapter), or --lora-r 0 for full fine-tuning")
+        if self.sync == "nccl":
+            from lightspan.trainer.sync import nccl_problem
+
+            problem = nccl_problem()
+            if problem:
+                fail("sync", f"'nccl' cannot run in this process: {problem}",
+                     "run the trainer on an NVIDIA GPU with vllm installed beside it, at the server's version "
+                     "(pip install vllm==<the server's version>), or pass --sync reload")
         if self.lora_r:
             if not self.lora_alpha > 0:
                 fail("lora_alpha", f"must be > 0, got {self.lora_alpha}", "pass e.g. --lora-alpha 32")

@@ -31,6 +31,14 @@ Choices worth knowing:
    DDP's gradient average equals one process's gradient on the full batch. Every rank runs the
    same number of micro-batches (extra ones carry weight 0): DDP and FSDP collectives must pair.
    The checkpoint holds rank 0's RNG; output_dir must be on storage every rank can read.
+6. FSDP (FSDP2, deploy/accelerate/fsdp.yaml): every rank gathers the full model and optimizer
+   state onto rank 0's CPU before rank 0 saves, so a checkpoint has the same layout whatever the
+   launch (plain HF safetensors, the optimizer as ``optimizer.state_dict()`` numbers it) and
+   resumes under any number of ranks; on resume rank 0 broadcasts the optimizer state and each
+   rank keeps its shard. Forward passes are collectives: the sync check's logprobs are computed
+   on every rank before rank 0 publishes. The KL reference is sharded too (TRL's prepare_fsdp);
+   with LoRA only the adapters are gathered (the frozen base is config.model). Refused: sync
+   'nccl' (it would broadcast shards).
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from lightspan.trainer.config import TrainerConfig, parse_duration
 from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, start_server
-from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
+from lightspan.trainer.sync import LoraSync, NcclSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
 
@@ -189,15 +197,25 @@ class Trainer:
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
         self.sync = sync or {"reload": lambda: ReloadSync(config.vllm_url),
                              "lora": lambda: LoraSync(config.vllm_url, config.served_model_name),
+                             # the live tensors, not a checkpoint: the model exists after load_or_init
+                             "nccl": lambda: NcclSync(config.vllm_url,
+                                                      lambda: self.accelerator.unwrap_model(self.model)),
                              }.get(config.sync, NoSync)()
         self.metrics = TrainerMetrics()           # served on /metrics by run()
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        _fsdp_on_cpu(self.accelerator)
+        self.sharded = self.accelerator.distributed_type.value == "FSDP"     # module docstring, 6
+        if self.sharded and config.sync == "nccl":
+            raise ConfigError("trainer", "sync", "'nccl' broadcasts rank 0's parameters, which under FSDP are "
+                              "shards", "pass --sync reload (rank 0 saves the gathered weights), or launch with "
+                              "deploy/accelerate/ddp.yaml")
         # the resume state (RESUME_STATE), set by load_or_init
         self.version = 0
         self.cursor = Cursor()
         self.run_id = ""
         self.model = self.optimizer = self.ref_model = self.tokenizer = None
         self.model_source: Path | None = None     # where tokenizer files are copied from
+        self.param_names: list[str] = []          # the optimizer's parameters, in its order
 
     # ---- state ------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -229,16 +247,23 @@ class Trainer:
         if cfg.lora_r:
             model = with_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                               targets=cfg.lora_target_modules, seed=cfg.seed, adapter_dir=source if found else None)
+        # fused: one kernel over all parameters (on CPU 6x faster than the per-tensor loop over
+        # SmolLM2's 163M parameters, bench/README.md), the same update up to float rounding; not
+        # for FSDP's sharded parameters (DTensor), where torch 2.13's CPU kernel aborts
+        fused = self.accelerator.distributed_type.value != "FSDP"
         optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.learning_rate,
-                                      weight_decay=cfg.weight_decay)
+                                      weight_decay=cfg.weight_decay, fused=fused)
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        state = None
         if found:
-            state = torch.load(source / STATE_FILE, weights_only=True)
+            # under FSDP only rank 0 reads the optimizer state (it broadcasts it below): mmap leaves
+            # the other ranks' copy on disk
+            state = torch.load(source / STATE_FILE, weights_only=True, mmap=self.sharded)
             missing = [k for k in RESUME_STATE if k not in state]
             if missing:
                 raise ValueError(f"{source / STATE_FILE} lacks {missing}: not a lightspan checkpoint")
-            optimizer.load_state_dict(state["optimizer"])
-            for group in optimizer.param_groups:        # the config, not the checkpoint, sets these
-                group.update(lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            if not self.sharded:
+                optimizer.load_state_dict(state["optimizer"])
             self.version, self.cursor, self.run_id = state["version"], Cursor(*state["cursor"]), state["run_id"]
             _set_rng(state["rng"])
             log.info("resumed version %d from %s (cursor %s)", self.version, source, self.cursor)
@@ -248,6 +273,11 @@ class Trainer:
             random.seed(cfg.seed)
             log.info("starting at version 0 from %s", source)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if state is not None and self.sharded:
+            self._load_sharded_optimizer(state["optimizer"])
+        if state is not None:
+            for group in self.optimizer.param_groups:   # the config, not the checkpoint, sets these
+                group.update(lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.model_source = source
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
@@ -256,8 +286,13 @@ class Trainer:
         if isinstance(self.sync, ReloadSync) and self.sync.serving is None:
             self.sync.serving = self._served_dir()
         if cfg.beta and not cfg.lora_r:      # with LoRA the reference is the base, adapters disabled
-            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-            self.ref_model.requires_grad_(False).eval().to(self.accelerator.device)
+            ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+            ref_model.requires_grad_(False).eval().to(self.accelerator.device)
+            if self.sharded:                 # sharded like the policy; its forward is a collective too
+                from trl.models.utils import prepare_fsdp
+
+                ref_model = prepare_fsdp(ref_model, self.accelerator)
+            self.ref_model = ref_model
 
     def _served_dir(self) -> Path | None:
         """What vLLM most likely serves: the published checkpoint, else (at version 0) the model."""
@@ -266,12 +301,53 @@ class Trainer:
             return Path(published["path"])
         return Path(self.config.model) if self.version == 0 else None
 
-    def _resume_state(self, version: int) -> dict:
+    def _resume_state(self, version: int, optimizer: dict | None = None) -> dict:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {"version": version, "cursor": (self.cursor.created_unix_nano, self.cursor.transition_id),
-                "run_id": self.run_id, "optimizer": self.optimizer.state_dict(), "rng": rng}
+                "run_id": self.run_id, "optimizer": self.optimizer.state_dict() if optimizer is None else optimizer,
+                "rng": rng}
+
+    # ---- FSDP (module docstring, 6) ---------------------------------------------------------
+    def _gather_full_state(self) -> tuple[dict, dict] | None:
+        """Under FSDP, the full model state dict and the optimizer state (numbered as
+        ``optimizer.state_dict()`` numbers it), gathered from every rank's shards onto rank 0's CPU.
+        A collective: every rank calls it; rank 0 gets the pair, the others None. None without FSDP,
+        where rank 0 holds everything itself."""
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        # rank 0 only, on its CPU; with LoRA the adapter only (the frozen base is config.model)
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                       ignore_frozen_params=bool(self.config.lora_r))
+        model_state = dcp.get_model_state_dict(self.model, options=options)
+        optimizer_state = dcp.get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=options)
+        if not self.accelerator.is_main_process:
+            return None
+        return model_state, numbered_optimizer_state(optimizer_state, self.param_names)
+
+    def _load_sharded_optimizer(self, saved: dict) -> None:
+        """Give each rank its shard of a checkpoint's full optimizer state: rank 0 broadcasts it."""
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        full = named_optimizer_state(saved, self.param_names) if self.accelerator.is_main_process else {}
+        dcp.set_optimizer_state_dict(self.model, self.optimizer.optimizer, full,
+                                     options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def _expected_logprobs(self) -> tuple[list[int], list[float]] | None:
+        """Under FSDP a forward pass is a collective, so every rank computes the sync check's
+        logprobs (``verify_sequence``) before rank 0 publishes; None otherwise (rank 0 computes them)."""
+        return self.verify_sequence() if self.sharded and self._verifies() else None
+
+    def _saves_at_start(self) -> bool:
+        """With sync 'lora' a run that starts from the base saves the version-0 adapter to load it."""
+        return self.config.sync == "lora" and self.model_source == Path(self.config.model)
+
+    def _verifies(self) -> bool:
+        """Whether publish checks the served logprobs against the trainer's."""
+        return isinstance(self.sync, (ReloadSync, LoraSync, NcclSync))
 
     # ---- data -------------------------------------------------------------------------------
     def next_batch(self) -> Batch | None:
@@ -464,8 +540,12 @@ class Trainer:
         raise exc
 
     # ---- checkpoints and publishing --------------------------------------------------------
-    def save(self, version: int) -> Path:
-        """Write output_dir/v{version:06d}/: a new directory, complete once it has its name."""
+    def save(self, version: int, gathered: tuple[dict, dict] | None = None) -> Path:
+        """Write output_dir/v{version:06d}/: a new directory, complete once it has its name.
+        Under FSDP ``gathered`` is ``_gather_full_state()``: the shards' model and optimizer state."""
+        if self.sharded and gathered is None:
+            raise RuntimeError("under FSDP save() needs the state every rank gathered (_gather_full_state)")
+        model_state, optimizer_state = gathered if gathered is not None else (None, None)
         final = self.output_dir / f"v{version:06d}"
         if final.exists():
             raise FileExistsError(f"{final} exists: every version gets a new directory")
@@ -474,11 +554,11 @@ class Trainer:
         tmp.mkdir(parents=True)
         model = self.accelerator.unwrap_model(self.model)
         _untie(model)
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         for f in self.model_source.iterdir():
             if f.is_file() and not _MODEL_FILES.fullmatch(f.name) and f.name != CONFIG_FILE:
                 shutil.copy2(f, tmp / f.name)
-        torch.save(self._resume_state(version), tmp / STATE_FILE)
+        torch.save(self._resume_state(version, optimizer_state), tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(to_dict(self.config), indent=2) + "\n")
         os.replace(tmp, final)
         self.model_source = final
@@ -506,8 +586,10 @@ class Trainer:
         model.train(was_training)
         return ids, logprobs[0].tolist()
 
-    def publish(self, checkpoint: Path, metrics: dict | None = None) -> dict:
-        """Sync ``checkpoint`` to vLLM, verify it, write policy.json and (given metrics) a train_steps row."""
+    def publish(self, checkpoint: Path, metrics: dict | None = None,
+                expected: tuple[list[int], list[float]] | None = None) -> dict:
+        """Sync ``checkpoint`` to vLLM, verify it, write policy.json and (given metrics) a train_steps row.
+        ``expected``: the check's (ids, logprobs) when every rank computed them (``_expected_logprobs``)."""
         try:
             sync_metrics = self.sync.push(checkpoint, self.version)
         except SyncError:
@@ -516,8 +598,8 @@ class Trainer:
         if "sync_seconds" in sync_metrics and not isinstance(self.sync, NoSync):
             self.metrics.observe_sync(sync_metrics["sync_seconds"])
         diff = None
-        if isinstance(self.sync, (ReloadSync, LoraSync)):
-            ids, expected = self.verify_sequence()
+        if self._verifies():
+            ids, expected = expected or self.verify_sequence()
             diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
@@ -534,15 +616,17 @@ class Trainer:
         self.metrics.observe_step(row)      # the gauges change together, with the step's row
         return row
 
-    def ensure_published(self) -> None:
+    def ensure_published(self, expected: tuple[list[int], list[float]] | None = None,
+                         gathered: tuple[dict, dict] | None = None) -> None:
         """After a crash between save and publish, publish the checkpoint the trainer resumed from;
-        with sync 'lora', publish the current adapter on every start."""
+        with sync 'lora', publish the current adapter on every start. ``expected``: as for publish;
+        ``gathered``: as for save (under FSDP, for the version-0 adapter)."""
         published = read_policy(self.data_dir)
         self.metrics.set_version(self.version)
         if self.config.sync == "lora":
             # vLLM forgets adapters loaded at run time when it restarts, and starts with none under
             # the stable name: load the current one on every start (version 0: B = 0, the base)
-            self.publish(self.save(0) if self.model_source == Path(self.config.model) else self.model_source)
+            self.publish(self.save(0, gathered) if self._saves_at_start() else self.model_source, expected=expected)
             return
         if published is not None and published.get("version") == self.version:
             return
@@ -551,7 +635,7 @@ class Trainer:
         else:
             log.info("policy.json says %s, the trainer is at version %d: publishing it",
                      published and published.get("version"), self.version)
-            self.publish(self.model_source)
+            self.publish(self.model_source, expected=expected)
 
     def train_once(self) -> dict | None:
         """One step if there is a batch: returns the train_steps row, or None."""
@@ -559,7 +643,8 @@ class Trainer:
         if batch is None:
             return None
         metrics = self.step(batch)
-        row = self._on_main(lambda: self.publish(self.save(self.version), metrics))
+        gathered, expected = self._gather_full_state(), self._expected_logprobs()   # collectives under FSDP
+        row = self._on_main(lambda: self.publish(self.save(self.version, gathered), metrics, expected))
         log.info("version %d: %d transitions, %d tokens, loss %.4f, reward %s, clip %.3f, IS %.3f, "
                  "entropy %.3f, skipped %d stale / %d zero-advantage / %d malformed, %.2f s + sync %.2f s",
                  self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
@@ -602,15 +687,66 @@ def _set_rng(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+def numbered_optimizer_state(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter name (torch.distributed.checkpoint's full state dict)
+    -> the same numbered as ``optimizer.state_dict()`` numbers it: the i-th parameter of ``names``."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def named_optimizer_state(state: dict, names: list[str]) -> dict:
+    """The inverse of :func:`numbered_optimizer_state`."""
+    if len({p for group in state["param_groups"] for p in group["params"]}) != len(names):
+        raise ValueError(f"the checkpoint's optimizer holds {sum(len(g['params']) for g in state['param_groups'])} "
+                         f"parameters, the model trains {len(names)}: not this model's checkpoint")
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    """Run an FSDP launch on a machine without CUDA as FSDP2 over gloo, not as plain DDP.
+
+    accelerate (1.15) selects FSDP only for GPU-like process groups (AcceleratorState, state.py):
+    launched with deploy/accelerate/fsdp.yaml on CPUs it would silently train with DDP (MULTI_CPU).
+    torch's FSDP2 (``fully_shard``) shards CPU tensors over gloo, so select it the way accelerate
+    does on GPUs: the plugin from the launcher's FSDP_* environment, and the distributed type in
+    both shared states (AcceleratorState re-reads PartialState's). tests/trainer/test_fsdp.py runs
+    FSDP this way; on GPUs accelerate has already chosen FSDP and this does nothing.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"        # set by accelerate launch
+    if state.distributed_type != DistributedType.MULTI_CPU or not fsdp:
+        return
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if accelerator.is_main_process:
+        log.info("FSDP on CPU: FSDP%d over %s (accelerate would fall back to DDP)", plugin.fsdp_version,
+                 torch.distributed.get_backend())
+
+
 def run(config: TrainerConfig) -> int:
     """``lightspan train``: once, continuously, or every ``config.every``; returns the exit code."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     trainer = Trainer(config)
-    if trainer.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        # save() writes rank 0's unsharded model and optimizer: sharded state would need gathering
-        log.error("%s is not supported yet: checkpoints do not gather sharded weights and optimizer "
-                  "state; launch with deploy/accelerate/ddp.yaml", trainer.accelerator.distributed_type.value)
+    if trainer.accelerator.distributed_type.value == "DEEPSPEED":
+        # save() writes rank 0's model and optimizer: ZeRO's partitions are gathered only for FSDP
+        log.error("DEEPSPEED is not supported yet: checkpoints do not gather ZeRO-partitioned weights and "
+                  "optimizer state; launch with deploy/accelerate/fsdp.yaml (sharded) or ddp.yaml")
+        return 2
+    if trainer.sharded and trainer.accelerator.state.fsdp_plugin.fsdp_version != 2:
+        log.error("FSDP version %d is not supported: set fsdp_version: 2 (deploy/accelerate/fsdp.yaml)",
+                  trainer.accelerator.state.fsdp_plugin.fsdp_version)
         return 2
     if not trainer.accelerator.is_main_process:      # rank 0 logs for the run
         logging.getLogger("lightspan").setLevel(logging.WARNING)
@@ -622,7 +758,10 @@ def run(config: TrainerConfig) -> int:
     previous = _install_stop_handlers(stop)
     server = None
     try:
-        trainer._on_main(trainer.ensure_published)
+        # collectives under FSDP, so every rank takes part before rank 0 publishes
+        expected = trainer._expected_logprobs()
+        gathered = trainer._gather_full_state() if trainer._saves_at_start() else None
+        trainer._on_main(lambda: trainer.ensure_published(expected, gathered))
         # /metrics answers (the compose health check) once the policy is served, never before
         server = start_server(trainer.metrics, config.metrics_host, config.metrics_port) \
             if trainer.accelerator.is_main_process else None
