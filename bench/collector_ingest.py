@@ -15,8 +15,8 @@ Targets, one after the other, each in its own process (the load generator keeps 
 1. ``baseline``: a minimal OTLP/gRPC receiver with the same gRPC settings that parses each
    request and acknowledges it. No WAL, no fsync, no Parquet: the ceiling of a Python receiver.
 2. ``lightspan``: ``lightspan.collector.server.Collector`` with its defaults: every request is
-   parsed, flattened to Arrow, written to the WAL and fsynced (group commit) before the ack;
-   Parquet is written every second off the request path. After the run the collector stops (the
+   parsed, its spans checked, written to the WAL and fsynced (group commit) before the ack;
+   flattening to Arrow, deduplication and Parquet happen every second off the request path. After the run the collector stops (the
    final flush) and the script checks that Parquet holds every acknowledged span.
 3. ``lightspan-nofsync`` (unless ``--targets`` leaves it out): the same collector with the WAL's
    fsync replaced by a no-op in its process, to separate the price of durability from the price
@@ -51,8 +51,12 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 # --- load ----------------------------------------------------------------------------------------
 
-def genai_request(batch: int, rng: random.Random) -> bytes:
-    """One ExportTraceServiceRequest of ``batch`` chat spans with token ids as bytes."""
+MARK = 6   # bytes every id of a request starts with: trace_id = mark + 10 bytes, span_id = mark + 2
+
+
+def genai_request(batch: int, rng: random.Random, mark: bytes | None = None) -> bytes:
+    """One ExportTraceServiceRequest of ``batch`` chat spans with token ids as bytes. With ``mark``
+    (``MARK`` bytes) every id starts with it, so ``payload.replace(mark, new)`` gives fresh ids."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     from lightspan.tracing import semconv as sc
@@ -64,12 +68,13 @@ def genai_request(batch: int, rng: random.Random) -> bytes:
         rs.resource.attributes.add(key=key).value.string_value = value
     scope = rs.scope_spans.add()
     scope.scope.name = "opentelemetry.instrumentation.openai.v1"
-    trace_id = rng.randbytes(16)
+    trace_id = rng.randbytes(16) if mark is None else mark + rng.randbytes(16 - MARK)
     now = time.time_ns()
     for i in range(batch):
         prompt = [rng.randrange(50_000) for _ in range(256)]
         completion = [rng.randrange(50_000) for _ in range(64)]
-        span = scope.spans.add(trace_id=trace_id, span_id=rng.randbytes(8), name="openai.chat", kind=3,
+        span_id = rng.randbytes(8) if mark is None else mark + i.to_bytes(8 - MARK, "big")
+        span = scope.spans.add(trace_id=trace_id, span_id=span_id, name="openai.chat", kind=3,
                                start_time_unix_nano=now + i * 1000, end_time_unix_nano=now + i * 1000 + 5 * 10**8)
         attrs = {
             sc.GEN_AI_OPERATION_NAME: "chat", "gen_ai.system": "openai",
@@ -94,8 +99,10 @@ def genai_request(batch: int, rng: random.Random) -> bytes:
     return request.SerializeToString()
 
 
-def send(port: int, payloads: list[bytes], batch: int, senders: int, warmup_s: float, seconds: float) -> dict:
-    """``senders`` threads export round-robin for warmup + seconds; counts only the measured window."""
+def send(port: int, payloads: list[tuple[bytes, bytes]], batch: int, senders: int, warmup_s: float,
+         seconds: float) -> dict:
+    """``senders`` threads export round-robin for warmup + seconds; counts only the measured window.
+    ``payloads``: (request, its mark); every request sent gets fresh ids (a new mark)."""
     start = time.monotonic()
     window = (start + warmup_s, start + warmup_s + seconds)
     results = [dict(acked=0, bytes=0, refused=0, errors=0, latencies=[]) for _ in range(senders)]
@@ -111,7 +118,8 @@ def send(port: int, payloads: list[bytes], batch: int, senders: int, warmup_s: f
             t0 = time.monotonic()
             if t0 >= window[1]:
                 break
-            payload = payloads[i % len(payloads)]
+            template, mark = payloads[i % len(payloads)]
+            payload = template.replace(mark, os.urandom(MARK))   # real spans never repeat an id
             i += 1
             try:
                 export(payload, timeout=30)
@@ -200,7 +208,7 @@ def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
                "refused": snap["requests_refused_total"]})
 
 
-def run_target(name: str, args, payloads: list[bytes]) -> dict:
+def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     with tempfile.TemporaryDirectory(prefix="lightspan-bench-", dir=args.data_dir) as data_dir:
@@ -240,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(0)
     started = time.monotonic()
-    payloads = [genai_request(args.batch, rng) for _ in range(args.payloads)]
-    span_bytes = sum(map(len, payloads)) / (len(payloads) * args.batch)
+    payloads = []
+    for _ in range(args.payloads):
+        mark = rng.randbytes(MARK)
+        payload = genai_request(args.batch, rng, mark)
+        assert payload.count(mark) == 2 * args.batch     # the mark occurs only in the ids
+        payloads.append((payload, mark))
+    span_bytes = sum(len(p) for p, _ in payloads) / (len(payloads) * args.batch)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync"}
     if unknown or not {"baseline", "lightspan"} <= set(targets):
@@ -254,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"args": vars(args), "span_bytes": span_bytes, "results": results, "ratio": ratio}))
     else:
         print(f"{args.senders} senders x {args.batch}-span GenAI batches ({span_bytes / 1000:.2f} KB/span, "
-              f"{len(payloads[0]) / 1e6:.2f} MB/request), {args.seconds:g} s measured after {args.warmup:g} s, "
+              f"{len(payloads[0][0]) / 1e6:.2f} MB/request), {args.seconds:g} s measured after {args.warmup:g} s, "
               f"{os.cpu_count()} CPUs")
         print(f"{'target':<18} {'spans/s':>9} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'refused':>8} {'errors':>7}")
         for name, r in results.items():

@@ -66,6 +66,7 @@ LOGS_TAG = b"\x00L"    # WAL records of logs; untagged records are trace request
 _NS_PER_DAY = 86_400 * 10**9
 _EPOCH = date(1970, 1, 1)
 _REPLAY_BATCH_BYTES = 64 << 20
+_FLUSH_CHUNK_BYTES = 16 << 20   # queued bytes flattened and written per Parquet file (per date) at a time
 _HTTP_POLL_S = 0.1            # how fast shutdown() notices; also the idle wake-up rate
 _GRPC_GRACE_S = 5.0
 COMPACT_GRACE_S = 30.0        # files a merged one replaces stay this long, for queries that listed them
@@ -322,21 +323,32 @@ class Collector:
                 self._pending = None
             if not items and not closed:
                 return written
+            # in chunks, each releasing its bytes from the queue once in Parquet: a writer that is
+            # behind makes room for the receivers as it goes, not once per (long) flush
+            done = 0
             try:
-                for signal_, kind in _SIGNALS.items():
-                    tables = [self._rows(data, received, rejected) for s, data, received, rejected, _ in items
-                              if s == signal_]
-                    written[kind["table"]] = self._write(signal_, tables)
+                while done < len(items):
+                    end, size = done, 0
+                    while end < len(items) and (end == done or size + items[end][-1] <= _FLUSH_CHUNK_BYTES):
+                        size += items[end][-1]
+                        end += 1
+                    for signal_, kind in _SIGNALS.items():
+                        tables = [self._rows(data, received, rejected)
+                                  for s, data, received, rejected, _ in items[done:end] if s == signal_]
+                        written[kind["table"]] += self._write(signal_, tables)
+                    with self._lock:
+                        self._queue_bytes -= size
+                    done = end
             except Exception:
-                self._pending = (items, closed)   # all of it again: a duplicate file is deduplicated
+                # the rest again at the next flush; rows of a chunk that failed half-way are not
+                # written twice (the writer's recent keys); the segments stay until all are in
+                self._pending = (items[done:], closed)
                 self.metrics.add("flush_errors_total")
                 raise
             try:
                 self._wal.delete(closed)
             except OSError:
                 log.exception("could not delete WAL segments %s; they will replay (duplicates are harmless)", closed)
-            with self._lock:
-                self._queue_bytes -= sum(size for *_, size in items)
             self.metrics.add("spans_written_total", written["spans"])
             self.metrics.add("log_records_written_total", written["logs"])
             seconds = time.perf_counter() - start

@@ -116,3 +116,30 @@ def test_readers_follow_merged_file_notes_through_two_compactions_and_the_sweep(
 def test_bad_dedup_settings_fail_naming_the_field(tmp_path, field, value):
     with pytest.raises(ConfigError, match=field):
         config(tmp_path, **{field: value})
+
+
+def test_a_flush_in_chunks_releases_queue_bytes_as_it_goes_and_resumes_after_a_failure(
+        collector_factory, data_dir, monkeypatch):
+    from lightspan.collector import server
+
+    collector = collector_factory()
+    for k in range(3):
+        assert collector.export(spans_request("r", 2, NOW_NS, first_id=1 + 2 * k)).outcome.value == "ok"
+    per_request = collector.queue_bytes // 3
+    monkeypatch.setattr(server, "_FLUSH_CHUNK_BYTES", per_request)     # one request per chunk
+    real_write, calls = store.write_table, []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_table", failing_second)
+    with pytest.raises(OSError):
+        collector.flush()
+    assert collector.queue_bytes == 2 * per_request                    # the first chunk is in Parquet
+    assert raw_rows(data_dir) == 2 and list((data_dir / "wal").glob("*.wal"))   # the WAL stays
+    assert collector.flush() == 4                                      # the rest, once
+    assert collector.queue_bytes == 0 and raw_rows(data_dir) == 6 and len(ids(data_dir)) == 6
+    assert not list((data_dir / "wal").glob("*.wal"))
