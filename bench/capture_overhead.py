@@ -25,17 +25,24 @@ same agent under traceloop's OpenAI instrumentation alone.
    call (the CPU time per call without lightspan). With ``--vllm-url``, also the wall time of a
    real call to that vLLM (same prompt length, capped by its context, ``--completion-tokens``
    tokens) and the overhead's share of it.
-5. A breakdown of one non-streamed call's overhead (timeit, no server): decoding vLLM's larger
-   JSON, the openai client's models for the extra fields it keeps (the token ids), and lightspan's
-   own code.
+5. A breakdown (timeit, no server; best of 5): decoding — what the client decodes without
+   lightspan (``json``, vLLM's answer without ids) against what lightspan decodes for a captured
+   call (orjson, the answer with ids and logprobs) — and lightspan's own work on the decoded data
+   (reading ids and logprobs, dropping the logprobs the caller did not ask for, encoding, setting
+   the attributes), per non-streamed call and per stream.
+6. What lightspan costs calls it does not capture, which both clients of 2.-4. pay alike and so is
+   not in the overhead: its JSON hooks passing a response or a stream chunk through, and its span
+   processor's ``on_start`` per span.
 
-Prints a summary and one JSON line (the numbers recorded in bench/README.md, "Capture overhead").
+Prints a summary and one JSON line (the numbers recorded in bench/README.md, "Capture overhead"),
+with the load average (1 min) before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -83,7 +90,7 @@ def _response_bodies(prompt_tokens: int, completion_tokens: int) -> dict:
     return bodies
 
 
-def serve(port: int, prompt_tokens: int, completion_tokens: int) -> None:
+def serve(port: int, prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> None:
     bodies = _response_bodies(prompt_tokens, completion_tokens)
 
     class Handler(BaseHTTPRequestHandler):
@@ -96,7 +103,8 @@ def serve(port: int, prompt_tokens: int, completion_tokens: int) -> None:
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             stream = bool(request.get("stream"))
-            body = bodies[(stream, bool(request.get("return_token_ids")), bool(request.get("logprobs")))]
+            with_ids = ids_for_all or bool(request.get("return_token_ids"))
+            body = bodies[(stream, with_ids, bool(request.get("logprobs")))]
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -106,7 +114,7 @@ def serve(port: int, prompt_tokens: int, completion_tokens: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
-def _start_stub(prompt_tokens: int, completion_tokens: int) -> tuple[subprocess.Popen, str]:
+def _start_stub(prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> tuple[subprocess.Popen, str]:
     import socket
 
     import requests
@@ -114,8 +122,9 @@ def _start_stub(prompt_tokens: int, completion_tokens: int) -> tuple[subprocess.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    flags = ["--ids-for-all"] if ids_for_all else []
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--prompt-tokens", str(prompt_tokens),
-                             "--completion-tokens", str(completion_tokens)])
+                             "--completion-tokens", str(completion_tokens), *flags])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -181,7 +190,7 @@ def measure(args) -> dict:
     from lightspan.tracing.instrumentor import LightspanInstrumentor
 
     provider, exporter = _tracing()
-    stub, url = _start_stub(args.prompt_tokens, args.completion_tokens)
+    stub, url = _start_stub(args.prompt_tokens, args.completion_tokens, args.ids_for_all)
     prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
     baseline = OpenAI(base_url=url, api_key="bench", max_retries=0)
     baseline.chat.completions  # noqa: B018 (builds the resource now, with the post lightspan will not wrap)
@@ -213,6 +222,7 @@ def measure(args) -> dict:
         stub.kill()
         stub.wait()
     results["export_encoding_us"] = _encoding_cost(exporter)
+    results["idle_us"] = idle_costs()
     if args.vllm_url:
         results["vllm"] = _real_call(args, provider)
         for mode in ("chat", "stream"):
@@ -239,46 +249,90 @@ def _encoding_cost(exporter) -> dict:
 
 
 def breakdown(args) -> dict:
-    """Where the overhead of one non-streamed call goes, in µs (best of 5, timeit; no server, no
-    instrumentation): decoding vLLM's larger JSON, the openai client's models for what remains of it
-    once lightspan dropped the logprobs the caller did not ask for, and lightspan's own work
-    (reading ids and logprobs from the JSON, dropping the logprobs, encoding to bytes, setting the
-    attributes on a span)."""
+    """Where the overhead goes, in µs (best of 5, timeit; no server, no instrumentation), per
+    non-streamed call (``chat_*``) and per stream (``stream_*``): ``decode_without`` (``json`` on
+    the answer the client gets without lightspan), ``decode_with`` (lightspan's ``loads`` on the
+    answer with ids and logprobs; ``decode_with_json``: ``json`` on it), ``lightspan_code`` (reading them from the decoded JSON, dropping
+    the logprobs, encoding, setting the attributes on a span; per chunk for a stream)."""
     import timeit
 
-    from openai._models import construct_type
-    from openai.types.chat import ChatCompletion
     from opentelemetry.sdk.trace import TracerProvider
 
-    from lightspan.tracing.capture import Capture
-    from lightspan.tracing.instrumentor import _add
+    from lightspan.tracing.capture import Capture, loads
 
     bodies = _response_bodies(args.prompt_tokens, args.completion_tokens)
-    full, bare = bodies[(False, True, True)], bodies[(False, False, False)]
-    ids_only = json.loads(full)
-    for choice in ids_only["choices"]:
-        choice["logprobs"] = None
-    bare_data = json.loads(bare)
     tracer = TracerProvider().get_tracer("bench")
 
-    def us(fn, n=2000):
+    def us(fn, n):
         return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
 
-    def own():
-        cap = Capture("chat", caller_logprobs=False)
-        _add(cap, json.loads(full))
-        span = tracer.start_span("x")
-        span.set_attributes(cap.attributes(1))
-        span.end()
+    def chunks(body: bytes) -> list[str]:
+        return [line[6:].decode() for line in body.split(b"\n\n") if line.startswith(b"data: {")]
 
-    def decode_and_span():
-        json.loads(full)
-        tracer.start_span("x").end()
+    out = {}
+    for mode, stream, n in (("chat", False, 2000), ("stream", True, 100)):
+        full, bare = bodies[(stream, True, True)], bodies[(stream, False, False)]
+        full_texts, bare_texts = (chunks(full), chunks(bare)) if stream else ([full], [bare])
+        decoded = [json.loads(t) for t in full_texts]
+        fresh = [json.dumps(d) for d in decoded]  # re-decoded in each run: the capture mutates them
 
-    return {"json_us": us(lambda: json.loads(full)) - us(lambda: json.loads(bare)),
-            "construct_us": us(lambda: construct_type(type_=ChatCompletion, value=ids_only))
-            - us(lambda: construct_type(type_=ChatCompletion, value=bare_data)),
-            "lightspan_code_us": us(own) - us(decode_and_span)}
+        def own(fresh=fresh):
+            cap = Capture("chat", caller_logprobs=False)
+            for text in fresh:
+                cap.add_json(json.loads(text), True)
+            span = tracer.start_span("x")
+            span.set_attributes(cap.attributes(1))
+            span.end()
+
+        def baseline(fresh=fresh):
+            for text in fresh:
+                json.loads(text)
+            tracer.start_span("x").end()
+
+        out[f"{mode}_decode_without_us"] = us(lambda texts=bare_texts: [json.loads(t) for t in texts], n)
+        out[f"{mode}_decode_with_us"] = us(lambda texts=full_texts: [loads(t) for t in texts], n)
+        out[f"{mode}_decode_with_json_us"] = us(lambda texts=full_texts: [json.loads(t) for t in texts], n)
+        out[f"{mode}_lightspan_code_us"] = us(own, n) - us(baseline, n)
+    return out
+
+
+def idle_costs() -> dict:
+    """µs that lightspan adds to calls it does not capture (both clients of the A/B pay them):
+    its JSON hooks passing one response body / one stream chunk through to the original decoder,
+    and its span processor's ``on_start`` for one span."""
+    import timeit
+
+    import httpx2
+    from openai._streaming import ServerSentEvent
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from lightspan.tracing.instrumentor import _JSON_HOOKS, _NESTING
+
+    hooks = {cls: (hook, original) for cls, hook, original in _JSON_HOOKS}
+    assert httpx2.Response in hooks and ServerSentEvent in hooks, "lightspan's hooks are not installed"
+    response = httpx2.Response(200, content=b'{"id": "x", "choices": []}')
+    event = ServerSentEvent(data='{"id": "x", "choices": []}')
+    tracer = TracerProvider().get_tracer("bench")
+    parent, span = tracer.start_span("rollout"), tracer.start_span("x")
+
+    def us(fn, n=100_000):
+        return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+
+    def hooked_minus_original(cls, call) -> float:
+        hook, original = hooks[cls]
+        try:
+            cls.json = original  # this thread alone decodes JSON now: no call of the A/B is running
+            plain = us(call)
+        finally:
+            cls.json = hook
+        return us(call) - plain
+
+    with trace.use_span(parent):  # under a recording span, as in a rollout: the processor's longer path
+        on_start = us(lambda: _NESTING.on_start(span)) - us(lambda: None)
+    return {"response_us": hooked_minus_original(httpx2.Response, lambda: response.json()),
+            "chunk_us": hooked_minus_original(ServerSentEvent, lambda: event.json()),
+            "span_on_start_us": on_start}
 
 
 def _real_call(args, provider) -> dict:
@@ -314,13 +368,18 @@ def main() -> None:
     p.add_argument("--completion-tokens", type=int, default=64)
     p.add_argument("--vllm-url", default="", help="also time a real call to this vLLM (e.g. http://127.0.0.1:8000)")
     p.add_argument("--vllm-calls", type=int, default=10)
+    p.add_argument("--ids-for-all", action="store_true",
+                   help="the stub sends token ids to the baseline client too (as if it had asked): the overhead "
+                        "left is lightspan's code and the logprobs it asks for, not the ids' bytes")
     p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # the stub server's own process
     args = p.parse_args()
     if args.serve:
-        serve(args.serve, args.prompt_tokens, args.completion_tokens)
+        serve(args.serve, args.prompt_tokens, args.completion_tokens, args.ids_for_all)
         return
-    results = measure(args)
-    results["breakdown_chat"] = breakdown(args)
+    results = {"load_before": os.getloadavg()[0]}
+    results.update(measure(args))
+    results["breakdown"] = breakdown(args)
+    results["load_after"] = os.getloadavg()[0]
     for mode in ("chat", "stream"):
         r = results[mode]
         print(f"{mode:6s}  without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.3f} ms wall"
@@ -330,9 +389,16 @@ def main() -> None:
     e = results["export_encoding_us"]
     print(f"OTLP encoding of the call's span in the exporter thread: {e['without_us']:.0f} µs ({e['without_bytes']} B)"
           f" without, {e['with_us']:.0f} µs ({e['with_bytes']} B) with lightspan's attributes")
-    d = results["breakdown_chat"]
-    print(f"one chat call's overhead, by part: decoding the larger JSON {d['json_us']:.0f} µs, the openai client's "
-          f"models for the ids it keeps {d['construct_us']:.0f} µs, lightspan's own code {d['lightspan_code_us']:.0f} µs")
+    d = results["breakdown"]
+    for mode, unit in (("chat", "call"), ("stream", "stream")):
+        print(f"{mode:6s} per {unit}: decoding {d[f'{mode}_decode_without_us']:.0f} µs without lightspan (json, "
+              f"no ids), {d[f'{mode}_decode_with_us']:.0f} µs with (orjson, ids and logprobs; json would take "
+              f"{d[f'{mode}_decode_with_json_us']:.0f} µs); lightspan's own code "
+              f"on the decoded data {d[f'{mode}_lightspan_code_us']:.0f} µs")
+    i = results["idle_us"]
+    print(f"calls not captured (both clients pay it): {i['response_us']:.2f} µs per response, "
+          f"{i['chunk_us']:.2f} µs per stream chunk, {i['span_on_start_us']:.2f} µs per span started")
+    print(f"load average (1 min): {results['load_before']:.2f} before, {results['load_after']:.2f} after")
     if "vllm" in results:
         v = results["vllm"]
         print(f"real vLLM call ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens): "

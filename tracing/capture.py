@@ -17,9 +17,18 @@ What vLLM 0.32 returns with ``return_token_ids: true`` and ``logprobs`` (measure
 - ``stream_options.include_usage`` adds one last chunk with ``choices: []`` and the usage; we never
   add it, because an agent that reads ``chunk.choices[0]`` would fail on that chunk;
 - without ``return_token_ids`` the keys are still there, with ``null``.
+
+Speed (bench/capture_overhead.py): the instrumentor decodes a captured call's JSON with
+:func:`loads` (orjson; ``json`` for what orjson refuses), reads it with :meth:`Capture.add_json`
+(plain dict lookups) and packs the ids with :func:`encode_ids` (``struct``).
 """
 
 from __future__ import annotations
+
+import json
+import struct
+
+import orjson
 
 from lightspan.tracing import semconv
 
@@ -56,6 +65,29 @@ def asked_for_logprobs(body: dict, operation: str) -> bool:
     return body.get("logprobs") is not None
 
 
+def loads(data: bytes | str):
+    """Decoded JSON, as ``json.loads(data)`` gives it, in a third to a half of its time.
+
+    orjson refuses what ``json`` accepts beyond the JSON standard — ``NaN``/``Infinity`` literals,
+    numbers that overflow a double, lone surrogate escapes, encodings other than UTF-8 — and those
+    bodies go to ``json.loads``, so they decode (or fail) exactly as they would without lightspan.
+    One difference is left: an integer beyond 64 bits comes back from orjson as a float; vLLM's
+    responses hold none (ids, counts and timestamps), and only calls lightspan captures, bound for
+    the configured RL endpoints, are decoded here.
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def encode_ids(ids) -> bytes:
+    """int32 little-endian bytes, as :func:`semconv.encode_ids`, from a list: ``struct`` packs a
+    list of Python ints 2-3x faster than ``array`` converts one (1,000 prompt ids: 5 µs vs 12 µs).
+    An id outside int32 raises ``struct.error``."""
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
 def _get(obj, name: str):
     """A field of a JSON dict or of an openai object (vLLM's extra fields included).
 
@@ -90,6 +122,7 @@ class Capture:
 
     def __init__(self, operation: str, *, caller_logprobs: bool = True):
         self.operation = operation
+        self._chat = operation == CHAT
         self.caller_logprobs = caller_logprobs  # False: only lightspan asked (the instrumentor hides them)
         self.fed = 0  # payloads folded in so far
         self.readable = True  # False once a payload could not be read (the instrumentor sets it)
@@ -98,8 +131,15 @@ class Capture:
         self.choices: dict[int, _Choice] = {}
         self.parsed = False  # saw something shaped like a completion
 
-    def add(self, payload) -> None:
-        """Fold in one non-streaming response or one stream chunk."""
+    def add(self, payload, *, hide_logprobs: bool = False) -> None:
+        """Fold in one non-streaming response or one stream chunk.
+
+        ``hide_logprobs``: once read, set each choice's ``logprobs`` to None (the instrumentor does
+        it when only lightspan asked for them; on a decoded dict, before the client builds a model
+        per token from them)."""
+        if type(payload) is dict:
+            self.add_json(payload, hide_logprobs)
+            return
         self.fed += 1
         choices = _get(payload, "choices")
         if choices is None:
@@ -114,11 +154,12 @@ class Capture:
             c = self.choices.get(index)
             if c is None:
                 c = self.choices[index] = _Choice()
-            prompt_ids = _get(choice, "prompt_token_ids")
-            if prompt_ids is not None:
-                c.prompt_ids = prompt_ids
-                if self.prompt_ids is None:
-                    self.prompt_ids = prompt_ids
+            if self.operation != CHAT:  # completions name their prompt per choice (chat: at the top level)
+                prompt_ids = _get(choice, "prompt_token_ids")
+                if prompt_ids is not None:
+                    c.prompt_ids = prompt_ids
+                    if self.prompt_ids is None:
+                        self.prompt_ids = prompt_ids
             ids = _get(choice, "token_ids")
             if ids:
                 c.ids.extend(ids)
@@ -128,7 +169,56 @@ class Capture:
                     c.logprobs.extend(_get(t, "logprob") for t in (_get(lp, "content") or ()))
                 else:
                     c.logprobs.extend(_get(lp, "token_logprobs") or ())
+                if hide_logprobs:
+                    if isinstance(choice, dict):
+                        choice["logprobs"] = None
+                    else:
+                        choice.logprobs = None
             reason = _get(choice, "finish_reason")
+            if reason:
+                c.finish_reason = reason
+
+    def add_json(self, payload: dict, hide_logprobs: bool = False) -> None:
+        """:meth:`add` for decoded JSON: the same reads, with plain dict lookups (per stream chunk,
+        the generic path's function calls were most of the cost)."""
+        self.fed += 1
+        choices = payload.get("choices")
+        if choices is None:
+            return
+        self.parsed = True
+        if self.prompt_ids is None:
+            self.prompt_ids = payload.get("prompt_token_ids")
+        if self.model is None:
+            self.model = payload.get("model")
+        chat = self._chat
+        for choice in choices:
+            index = choice.get("index") or 0
+            c = self.choices.get(index)
+            if c is None:
+                c = self.choices[index] = _Choice()
+            if not chat:  # completions name their prompt per choice (chat: at the top level)
+                prompt_ids = choice.get("prompt_token_ids")
+                if prompt_ids is not None:
+                    c.prompt_ids = prompt_ids
+                    if self.prompt_ids is None:
+                        self.prompt_ids = prompt_ids
+            ids = choice.get("token_ids")
+            if ids:
+                c.ids += ids
+            lp = choice.get("logprobs")
+            if lp is not None:
+                if chat:
+                    content = lp.get("content")
+                    if content:
+                        if len(content) == 1:  # a stream chunk: one token
+                            c.logprobs.append(content[0].get("logprob"))
+                        else:
+                            c.logprobs += [t.get("logprob") for t in content]
+                else:
+                    c.logprobs += lp.get("token_logprobs") or ()
+                if hide_logprobs:
+                    choice["logprobs"] = None
+            reason = choice.get("finish_reason")
             if reason:
                 c.finish_reason = reason
 
@@ -137,7 +227,8 @@ class Capture:
             return "unparsed_response"
         if not self.choices or self.prompt_ids is None or any(not c.ids for c in self.choices.values()):
             return "no_token_ids"
-        if any(c.prompt_ids is not None and c.prompt_ids != self.prompt_ids for c in self.choices.values()):
+        if any(c.prompt_ids is not None and c.prompt_ids is not self.prompt_ids and c.prompt_ids != self.prompt_ids
+               for c in self.choices.values()):
             return "multiple_prompts"  # a batched completions request: one prompt per span only
         if any(len(c.ids) != len(c.logprobs) for c in self.choices.values()):
             return "logprobs_mismatch"
@@ -150,8 +241,8 @@ class Capture:
             return {semconv.CAPTURE_STATUS: status}
         ordered = [self.choices[i] for i in sorted(self.choices)]
         attrs = {
-            semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(self.prompt_ids),
-            semconv.COMPLETION_TOKEN_IDS: tuple(semconv.encode_ids(c.ids) for c in ordered),
+            semconv.PROMPT_TOKEN_IDS: encode_ids(self.prompt_ids),
+            semconv.COMPLETION_TOKEN_IDS: tuple(encode_ids(c.ids) for c in ordered),
             semconv.COMPLETION_LOGPROBS: tuple(semconv.encode_floats(c.logprobs) for c in ordered),
             semconv.CAPTURE_STATUS: "ok",
         }

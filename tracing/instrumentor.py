@@ -29,17 +29,23 @@ span the OpenAI instrumentation opened (traceloop's or OTel's), so the attribute
 7. raw responses (``with_raw_response``, as LangChain's ``ChatOpenAI`` calls; ``client.post`` with
    the raw-response header, as LiteLLM calls, bypassing ``chat.completions.create`` and so the
    OpenAI instrumentation) are parsed through their own cache, so the caller gets the same object;
-8. the ids and logprobs are read from the JSON the client decoded, before it builds its models
-   (a hook on ``BaseClient._process_response_data``, active only inside a captured call), and the
-   logprobs only lightspan asked for are dropped there: the caller gets ``logprobs: null`` as vLLM
-   answers a request without them, and the client builds no model per token for them — that
-   model building was most of capture's cost (bench/capture_overhead.py). Where the hook does not
-   fire, the parsed objects are read instead.
+8. a captured call's JSON (the response body, or each stream chunk) is decoded by lightspan
+   (``capture.loads``: orjson, ``json`` for what orjson refuses) in hooks on the client's JSON
+   decoding (``httpx2.Response.json``, ``openai._streaming.ServerSentEvent.json``), active only
+   inside a captured call; the ids and logprobs are read from the decoded dict there, and the
+   logprobs only lightspan asked for are dropped before the client builds its models: the caller
+   gets ``logprobs: null`` as vLLM answers a request without them, and the client builds no model
+   per token for them — that model building was once most of capture's cost, decoding vLLM's
+   larger JSON with ``json`` most of what remained (bench/capture_overhead.py). The hooks are plain
+   functions, not wrapt wrappers: every response and stream chunk of every client passes through
+   them, and outside a captured call they cost one context-variable read. Where they do not fire
+   (another HTTP client passed to openai), the parsed objects are read instead.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import weakref
@@ -60,6 +66,7 @@ from lightspan.tracing.capture import (  # noqa: F401  (re-exported: the instrum
     Capture,
     asked_for_logprobs,
     attributes_from_response,
+    loads,
     operation as _operation,
     with_capture,
 )
@@ -76,7 +83,10 @@ _SUPPRESS_LLM_KEY = "suppress_language_model_instrumentation"
 
 def capture_urls() -> list[str]:
     """The configured RL endpoints; ``none`` matches no URL (the gateway captures these calls)."""
-    raw = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
+    return _parse_urls(os.environ.get("LIGHTSPAN_CAPTURE_URLS", ""))
+
+
+def _parse_urls(raw: str) -> list[str]:
     return [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
 
 
@@ -88,6 +98,13 @@ def should_capture(base_url: str, path: str, urls: list[str]) -> bool:
     if urls:
         return any(base == u or base.startswith(u + "/") for u in urls)
     return (urlsplit(base).hostname or "") in _LOOPBACK
+
+
+@functools.lru_cache(maxsize=256)
+def _capture_operation(base_url: str, path: str, urls_raw: str) -> str | None:
+    """The operation of a call to capture, else None; cached: a client calls a few URLs many times
+    (the environment variable's value is part of the key, so a change applies at once)."""
+    return _operation(path) if should_capture(base_url, path, _parse_urls(urls_raw)) else None
 
 
 def model_version() -> int | None:
@@ -170,9 +187,12 @@ def _prepare(instance, args, kwargs):
     """(capture, stream?, kwargs to call with) for a call to capture; capture None otherwise."""
     path = args[0] if args else kwargs.get("path", "")
     body = kwargs.get("body")
-    if not isinstance(body, dict) or not should_capture(getattr(instance, "base_url", ""), path, capture_urls()):
+    if not isinstance(body, dict) or not isinstance(path, str):
         return None, False, kwargs
-    op = _operation(path)
+    op = _capture_operation(str(getattr(instance, "base_url", "")), path,
+                            os.environ.get("LIGHTSPAN_CAPTURE_URLS", ""))
+    if op is None:
+        return None, False, kwargs
     stream = bool(kwargs.get("stream") or body.get("stream"))
     cap = Capture(op, caller_logprobs=asked_for_logprobs(body, op))
     return cap, stream, {**kwargs, "body": with_capture(body, op)}
@@ -232,37 +252,99 @@ def _failed(span, owned: bool, exc: BaseException) -> None:
 
 
 def _add(cap: Capture, payload) -> None:
-    """Fold a response or chunk (decoded JSON, or the client's parsed object) into ``cap``; then,
-    when only lightspan asked for logprobs, hand the caller what vLLM answers a request without
-    them (``logprobs: null``): frameworks act on the field (LangChain copies it into
+    """Fold a response or chunk (decoded JSON, or the client's parsed object) into ``cap``; when
+    only lightspan asked for logprobs, hand the caller what vLLM answers a request without them
+    (``logprobs: null``): frameworks act on the field (LangChain copies it into
     ``response_metadata``), and the client and the OpenAI instrumentation would process them for
     nothing. An unreadable payload marks the capture unreadable; the caller's call goes on."""
     try:
-        cap.add(payload)
-        if not cap.caller_logprobs:
-            choices = payload.get("choices") if isinstance(payload, dict) else getattr(payload, "choices", None)
-            for choice in choices or ():
-                if isinstance(choice, dict):
-                    if choice.get("logprobs") is not None:
-                        choice["logprobs"] = None
-                elif getattr(choice, "logprobs", None) is not None:
-                    choice.logprobs = None
+        cap.add(payload, hide_logprobs=not cap.caller_logprobs)
     except Exception:
-        log.debug("lightspan: unreadable response or stream chunk", exc_info=True)
-        cap.readable = False
+        _unreadable(cap)
 
 
-def _process_data(wrapped, instance, args, kwargs):
-    """``BaseClient._process_response_data``: feeds the decoded JSON of a captured call to its
-    capture before the client builds its models (module docstring, 8.)."""
-    cap = _FEEDING.get()
-    if cap is not None:
-        data = kwargs.get("data")
-        if isinstance(data, dict) and "choices" in data:  # a completion or a chunk of one
-            _add(cap, data)
-    return wrapped(*args, **kwargs)
+def _unreadable(cap: Capture) -> None:
+    log.debug("lightspan: unreadable response or stream chunk", exc_info=True)
+    cap.readable = False
 
 
+def _response_json_hook(original):
+    """``Response.json`` of the client's HTTP library: a captured call's body, decoded by
+    ``capture.loads`` and read (module docstring, 8.); any other response, untouched."""
+    @functools.wraps(original)
+    def json(self, **kwargs):
+        cap = _FEEDING.get()
+        if cap is None or kwargs:
+            return original(self, **kwargs)
+        data = loads(self.content)
+        if type(data) is dict:
+            try:
+                cap.add_json(data, not cap.caller_logprobs)
+            except Exception:
+                _unreadable(cap)
+        return data
+    return json
+
+
+def _event_json_hook(original):
+    """``ServerSentEvent.json``: the same for each chunk of a captured stream."""
+    @functools.wraps(original)
+    def json(self):
+        cap = _FEEDING.get()
+        if cap is None:
+            return original(self)
+        data = loads(self.data)  # per chunk: one call into the capture, no more
+        if type(data) is dict:
+            try:
+                cap.add_json(data, not cap.caller_logprobs)
+            except Exception:
+                _unreadable(cap)
+        return data
+    return json
+
+
+def _json_hook_targets() -> list[tuple[type, object]]:
+    """(class, hook factory) for each JSON decoder to hook: openai 3.x is built on ``httpx2``, and
+    still takes an ``httpx`` client (hooked when something imported ``httpx`` by ``instrument()``;
+    a client of a library not hooked is read from its parsed objects); openai 1.x/2.x use ``httpx``."""
+    import importlib
+    import sys
+
+    import openai._base_client  # noqa: F401  (imports the HTTP library this openai version is built on)
+
+    targets = []
+    for module, cls, factory in (("httpx2", "Response", _response_json_hook),
+                                 ("httpx", "Response", _response_json_hook),
+                                 ("openai._streaming", "ServerSentEvent", _event_json_hook)):
+        mod = sys.modules.get(module)
+        if mod is None and module.startswith("openai"):
+            mod = importlib.import_module(module)
+        if mod is not None and hasattr(mod, cls):
+            targets.append((getattr(mod, cls), factory))
+    return targets
+
+
+# (class, the hook, the original ``json``) of each hook installed
+_JSON_HOOKS: list[tuple[type, object, object]] = []
+
+
+def _install_json_hooks() -> None:
+    if _JSON_HOOKS:
+        return
+    for cls, factory in _json_hook_targets():
+        original = cls.__dict__.get("json")
+        if original is None:
+            continue
+        hook = factory(original)
+        cls.json = hook
+        _JSON_HOOKS.append((cls, hook, original))
+
+
+def _remove_json_hooks() -> None:
+    while _JSON_HOOKS:
+        cls, hook, original = _JSON_HOOKS.pop()
+        if cls.__dict__.get("json") is hook:  # else another library wrapped it since: ours stays, inert
+            cls.json = original
 
 
 def _tap(iterator, cap: Capture, span, owned: bool):
@@ -423,7 +505,7 @@ class LightspanInstrumentor(BaseInstrumentor):
         _NESTING.active = True
         wrap_function_wrapper("openai._base_client", "SyncAPIClient.post", _sync_post)
         wrap_function_wrapper("openai._base_client", "AsyncAPIClient.post", _async_post)
-        wrap_function_wrapper("openai._base_client", "BaseClient._process_response_data", _process_data)
+        _install_json_hooks()
 
     def _uninstrument(self, **kwargs):
         import openai._base_client as base
@@ -433,4 +515,4 @@ class LightspanInstrumentor(BaseInstrumentor):
         _tracer_provider = None
         unwrap(base.SyncAPIClient, "post")
         unwrap(base.AsyncAPIClient, "post")
-        unwrap(base.BaseClient, "_process_response_data")
+        _remove_json_hooks()
