@@ -52,19 +52,17 @@ def partitions(root: Path, table: str) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("date="))
 
 
-def small_files(root: Path, table: str, partition: Path) -> list[Path]:
-    """The live Parquet files of a partition under ``LARGE_FILE_BYTES`` (those a merged file
-    supersedes, and temp files, excluded)."""
-    files = []
+def small_files(root: Path, table: str) -> dict[Path, list[Path]]:
+    """Per partition, its live Parquet files under ``LARGE_FILE_BYTES`` (those a merged file
+    supersedes, and temp files, excluded), from one listing of the table."""
+    found: dict[Path, list[Path]] = {}
     for path in store.table_files(root, table):
-        if path.parent != partition:
-            continue
         try:
             if path.stat().st_size < LARGE_FILE_BYTES:
-                files.append(path)
+                found.setdefault(path.parent, []).append(path)
         except FileNotFoundError:   # removed by a concurrent compaction or retention
             continue
-    return sorted(files)
+    return {partition: sorted(files) for partition, files in sorted(found.items())}
 
 
 def compact_partition(table: str, partition: Path, files: list[Path]) -> Path:

@@ -494,8 +494,7 @@ class Collector:
         merged = 0
         with self._compact_lock:
             for table in store.PARTITIONED:
-                for partition in compaction.partitions(self.data_dir, table):
-                    files = compaction.small_files(self.data_dir, table, partition)
+                for partition, files in compaction.small_files(self.data_dir, table).items():
                     if len(files) < max(min_files, 2):
                         continue
                     compaction.compact_partition(table, partition, files)
