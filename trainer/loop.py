@@ -801,6 +801,11 @@ def run(config: TrainerConfig) -> int:
         _restore_handlers(previous)
         if server is not None:
             server.stop()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # before the interpreter exits: a process group (FSDP's device mesh over gloo) left for
+            # exit-time destruction can abort the process ("terminate called without an active
+            # exception") after a run that succeeded
+            torch.distributed.destroy_process_group()
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict:
