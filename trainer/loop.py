@@ -769,6 +769,7 @@ def run(config: TrainerConfig) -> int:
             if trainer.train_once() is None:
                 log.info("nothing to train: fewer than %d new trainable transitions in %s",
                          config.min_transitions, trainer.data_dir)
+            trainer.accelerator.wait_for_everyone()
             return 0
         period = parse_duration(config.every) if config.mode == "every" else config.poll_interval_s
         steps, deadline = 0, time.monotonic()
@@ -793,6 +794,7 @@ def run(config: TrainerConfig) -> int:
                         log.info("nothing to train this round")
                     deadline = max(deadline + period, time.monotonic())   # a step past its slot skips ticks
                     stop.wait(deadline - time.monotonic())
+        trainer.accelerator.wait_for_everyone()   # no rank leaves while a peer still talks to it
         return 0
     except SyncError as exc:
         log.error("%s", exc)
