@@ -12,7 +12,7 @@ transports only frame bytes and map the result's :class:`Outcome` to a status wi
 :func:`status_for` (permanent vs retryable, in one place). An export is acknowledged only
 after its request bytes are fsynced in the WAL; when the WAL cannot be written (disk full),
 the export is refused with a retryable status and counted as ``reason="disk"``, and the next
-export tries again. The queue is bounded by ``max_queue_bytes`` (Arrow bytes not yet in
+export tries again. The queue is bounded by ``max_queue_bytes`` (bytes accepted, not yet in
 Parquet); past it, exports are refused with a retryable status and a retry delay, never dropped
 or crashed on. After a crash the WAL replays into Parquet before the receivers serve.
 
@@ -285,7 +285,7 @@ class Collector:
             try:
                 self._wal.sync(position)   # outside the lock: concurrent exports share an fsync
             except OSError as exc:
-                # not acknowledged; the rows stay queued (a retry is deduplicated by the views)
+                # not acknowledged; the rows stay queued (the writer stores a retry's copy once)
                 log.error("WAL fsync failed: %s", exc)
                 return self.refuse(Outcome.DISK, f"WAL fsync failed: {exc.strerror or exc}", signal)
             self.metrics.add(f"{noun}_accepted_total", accepted)
@@ -348,7 +348,7 @@ class Collector:
             try:
                 self._wal.delete(closed)
             except OSError:
-                log.exception("could not delete WAL segments %s; they will replay (duplicates are harmless)", closed)
+                log.exception("could not delete WAL segments %s; they will replay (what is in Parquet is skipped)", closed)
             self.metrics.add("spans_written_total", written["spans"])
             self.metrics.add("log_records_written_total", written["logs"])
             seconds = time.perf_counter() - start
