@@ -75,7 +75,7 @@ class Metrics:
         metric("requests_refused_total", "counter",
                "Requests answered with an error, by reason (disk: the WAL could not be written).",
                [(f'requests_refused_total{{reason="{r}"}}', n) for r, n in snap["requests_refused_total"].items()])
-        metric("queue_bytes", "gauge", "Arrow bytes accepted but not yet in Parquet (bounded by max_queue_bytes).",
+        metric("queue_bytes", "gauge", "Bytes accepted but not yet in Parquet (trace requests as received, log records as Arrow; bounded by max_queue_bytes).",
                [("queue_bytes", queue_bytes)])
         metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", wal_bytes)])
         metric("flush_seconds", "summary", "Time to write queued rows to Parquet, per flush with data.",

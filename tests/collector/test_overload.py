@@ -145,7 +145,7 @@ def test_overload_refuses_retryably_keeps_rss_bounded_and_stores_every_ack(tmp_p
     assert load.bad == []
     refused, acked = sum(load.refused.values()), sum(load.acked_requests.values())
     assert refused >= 2 * acked, (load.refused, load.acked_requests)   # offered ≥ 3× what was accepted
-    # memory: the queue (Arrow bytes) and a flush's copy of it, plus the requests in flight and
+    # memory: the queue (request bytes) and a flush's copy of it, plus the requests in flight and
     # allocator slack, on top of the warmed-up process; far less than what was offered
     bound = baseline + 4 * QUEUE_BYTES + 64 * MiB
     assert peak[0] <= bound, f"peak RSS {peak[0] / MiB:.0f} MiB > bound {bound / MiB:.0f} MiB"
