@@ -315,7 +315,8 @@ def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
         try:
             return fn()
         except duckdb.IOException as exc:
-            if attempt == attempts or "No such file" not in str(exc):
+            # a globbed file gone: "No such file"; a file of a connection's listing gone: "No files found"
+            if attempt == attempts or not any(m in str(exc) for m in ("No such file", "No files found")):
                 raise
             log.info("a Parquet file vanished under a read (compaction); reading again (%d/%d)", attempt, attempts)
     raise AssertionError("unreachable")

@@ -38,3 +38,27 @@ def test_a_read_is_repeated_when_a_globbed_file_vanished(tmp_path):
 
     with pytest.raises(duckdb.IOException):
         store.retry_vanished(broken)
+
+
+def test_a_read_is_repeated_when_a_file_of_its_listing_vanished(tmp_path):
+    """A connection's views read the files listed when it opened: one removed since (expired, or
+    swept after compaction) fails the read with DuckDB's "No files found", and the read runs again."""
+    import pyarrow as pa
+
+    rows = [{"trace_id": f"{i:032x}", "span_id": f"{i:016x}", "name": "s", "start_time_unix_nano": 0,
+             "received_unix_nano": 0} for i in range(1, 3)]
+    paths = [store.write_table(tmp_path, "spans", pa.Table.from_pylist([row], schema=store.SPAN_SCHEMA),
+                               partition="date=1970-01-01") for row in rows]
+    attempts = []
+
+    def count():
+        con = store.connect(tmp_path)
+        try:
+            attempts.append(1)
+            if len(attempts) == 1:
+                paths[0].unlink()                       # gone after the listing, before the read
+            return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+        finally:
+            con.close()
+
+    assert store.retry_vanished(count) == 1 and len(attempts) == 2
