@@ -142,11 +142,10 @@ def drop_stored(table_name: str, table: pa.Table, files: list[Path]) -> pa.Table
         con.close()
 
 
-def seed_since(wal_segments: list[Path], window_s: float, now_epoch_s: float | None = None) -> float:
-    """From when the start-up seed reads files: the window, or the oldest WAL segment left to replay
-    if that is older (its rows may already be in Parquet written after the segment's last write)."""
-    now_epoch_s = time.time() if now_epoch_s is None else now_epoch_s
-    since = now_epoch_s - window_s
+def replay_since(wal_segments: list[Path]) -> float:
+    """From when Parquet may hold rows of ``wal_segments`` (left to replay): a second before the
+    oldest one's last write, since a flush writes Parquet only after it closed the segment."""
+    since = time.time()
     for segment in wal_segments:
         try:
             since = min(since, os.stat(segment).st_mtime - 1.0)

@@ -423,7 +423,7 @@ class Collector:
         start, skipped = time.perf_counter(), 0
         # the Parquet that these segments may have produced before the crash: written after the
         # oldest segment's last write
-        since = dedup.seed_since([self._wal.directory / f"{i:020d}.wal" for i in segments], 0.0)
+        since = dedup.replay_since([self._wal.segment_path(i) for i in segments])
         stored = {kind["table"]: dedup.recent_files(self.data_dir, kind["table"], since) for kind in _SIGNALS.values()}
         tables = {signal_: [] for signal_ in _SIGNALS}
         batch_bytes, counts = 0, dict.fromkeys(_SIGNALS, 0)

@@ -76,13 +76,13 @@ class WAL:
         self._broken: str | None = None      # the active segment saw an I/O error: "torn" or "unsynced"
         self._failed: tuple[tuple[int, int], ...] = ()   # (lo, hi]: positions never durable; replaced, not mutated
         self._abandoned: list[int] = []      # segments closed after an I/O error, for the next rotate()
-        self._bytes = sum(self._path(i).stat().st_size for i in existing)
+        self._bytes = sum(self.segment_path(i).stat().st_size for i in existing)
         self._closed = False
         self.fsync_seconds = 0.0             # total time spent in fsync, and how often
         self.fsync_count = 0
 
     # --- paths --------------------------------------------------------------------------------
-    def _path(self, segment_id: int) -> Path:
+    def segment_path(self, segment_id: int) -> Path:
         return self.directory / f"{segment_id:020d}{_SUFFIX}"
 
     def segment_ids(self) -> list[int]:
@@ -185,7 +185,7 @@ class WAL:
         except OSError:
             pass
         log.warning("WAL segment %s abandoned after an I/O error (%s); writing a new one",
-                    self._path(self._active_id).name, self._broken)
+                    self.segment_path(self._active_id).name, self._broken)
         self._abandoned.append(self._active_id)
         self._fd = self._active_id = self._broken = None
         self._segment_bytes = 0
@@ -193,7 +193,7 @@ class WAL:
     def _open_segment(self) -> None:
         segment_id = self._next_id
         self._next_id += 1
-        path = self._path(segment_id)
+        path = self.segment_path(segment_id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             fsync_dir(self.directory)  # the new file's name must survive a crash too
@@ -230,13 +230,13 @@ class WAL:
             if segment_id == self._active_id:
                 raise ValueError(f"segment {segment_id} is active; rotate() it first")
             try:
-                self._path(segment_id).unlink()
+                self.segment_path(segment_id).unlink()
             except FileNotFoundError:
                 continue
             removed = True
         if removed:
             with self._write_lock:   # from the files: a torn tail that could not be cut is counted too
-                self._bytes = sum(_size(self._path(i)) for i in self.segment_ids())
+                self._bytes = sum(_size(self.segment_path(i)) for i in self.segment_ids())
             fsync_dir(self.directory)
 
     def close(self) -> None:
@@ -250,7 +250,7 @@ class WAL:
         """Payloads of the given segments (default: every closed one), in order."""
         ids = self.closed_segment_ids() if segment_ids is None else list(segment_ids)
         for segment_id in ids:
-            yield from read_segment(self._path(segment_id))
+            yield from read_segment(self.segment_path(segment_id))
 
 
 def read_segment(path: str | os.PathLike) -> Iterator[bytes]:

@@ -268,6 +268,17 @@ def _unreadable(cap: Capture) -> None:
     cap.readable = False
 
 
+def _read_captured(cap: Capture, raw):
+    """Decode a captured call's JSON (a body, or one stream chunk) and read it into ``cap``."""
+    data = loads(raw)
+    if type(data) is dict:
+        try:
+            cap.add_json(data, not cap.caller_logprobs)
+        except Exception:
+            _unreadable(cap)
+    return data
+
+
 def _response_json_hook(original):
     """``Response.json`` of the client's HTTP library: a captured call's body, decoded by
     ``capture.loads`` and read (module docstring, 8.); any other response, untouched."""
@@ -276,13 +287,7 @@ def _response_json_hook(original):
         cap = _FEEDING.get()
         if cap is None or kwargs:
             return original(self, **kwargs)
-        data = loads(self.content)
-        if type(data) is dict:
-            try:
-                cap.add_json(data, not cap.caller_logprobs)
-            except Exception:
-                _unreadable(cap)
-        return data
+        return _read_captured(cap, self.content)
     return json
 
 
@@ -293,13 +298,7 @@ def _event_json_hook(original):
         cap = _FEEDING.get()
         if cap is None:
             return original(self)
-        data = loads(self.data)  # per chunk: one call into the capture, no more
-        if type(data) is dict:
-            try:
-                cap.add_json(data, not cap.caller_logprobs)
-            except Exception:
-                _unreadable(cap)
-        return data
+        return _read_captured(cap, self.data)
     return json
 
 

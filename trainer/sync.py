@@ -25,6 +25,7 @@ Only vLLM's public HTTP API is used, and nothing imports vllm but :class:`VllmNc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -177,6 +178,23 @@ class LoraSync:
         return {"sync_seconds": seconds, "sync_rpc_seconds": load_seconds}
 
 
+@contextlib.contextmanager
+def paused(post: Callable[..., requests.Response]):
+    """vLLM paused for the block (``POST /pause?mode=wait``: in-flight requests drain first, so no
+    completion mixes two versions) and resumed after it, whatever happens; when the block failed,
+    its error is raised and a failed resume is only logged."""
+    try:
+        post("/pause", params={"mode": "wait"})
+        yield
+    except BaseException:
+        try:
+            post("/resume")
+        except SyncError as again:
+            log.error("resume after a failed sync also failed: %s", again)
+        raise
+    post("/resume")
+
+
 class ReloadSync:
     """In-place reload of a safetensors checkpoint by a vLLM server in dev mode.
 
@@ -208,8 +226,7 @@ class ReloadSync:
             raise FileNotFoundError(f"{path} is not a safetensors checkpoint (config.json + *.safetensors); "
                                     "vLLM was not asked to load it")
         t0 = time.monotonic()
-        try:
-            self._post("/pause", params={"mode": "wait"})
+        with paused(self._post):
             t_rpc = time.monotonic()
             try:
                 self._reload(path)
@@ -218,13 +235,6 @@ class ReloadSync:
                 raise
             rpc_seconds = time.monotonic() - t_rpc
             self._reset_prefix_cache()
-        except BaseException:
-            try:
-                self._post("/resume")
-            except SyncError as exc:     # keep the first error; this one is only logged
-                log.error("resume after a failed sync also failed: %s", exc)
-            raise
-        self._post("/resume")
         self.serving = path
         seconds = time.monotonic() - t0
         log.info("vLLM at %s reloaded version %d from %s in %.2f s", self.url, version, path, seconds)
@@ -547,8 +557,7 @@ class NcclSync:
         if self.world_size is None:
             metrics["sync_init_seconds"] = self._join()
         t_pause = time.monotonic()
-        try:
-            self._post("/pause", params={"mode": "wait"})
+        with paused(self._post):
             t_rpc = time.monotonic()
             self._post("/start_weight_update", once=True)
             try:
@@ -560,13 +569,6 @@ class NcclSync:
             self._post("/finish_weight_update", once=True, json={"weight_version": str(version)})
             metrics["sync_rpc_seconds"] = time.monotonic() - t_rpc
             reset_prefix_cache(self.url, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
-        except BaseException:
-            try:
-                self._post("/resume")
-            except SyncError as again:     # keep the first error; this one is only logged
-                log.error("resume after a failed sync also failed: %s", again)
-            raise
-        self._post("/resume")
         self.served_version = version
         metrics["sync_seconds"] = time.monotonic() - t0
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
