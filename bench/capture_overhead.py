@@ -277,7 +277,7 @@ def breakdown(args) -> dict:
         fresh = [json.dumps(d) for d in decoded]  # re-decoded in each run: the capture mutates them
 
         def own(fresh=fresh):
-            cap = Capture("chat", caller_logprobs=False)
+            cap = Capture("chat", caller_ids=False, caller_logprobs=False)
             for text in fresh:
                 cap.add_json(json.loads(text), True)
             span = tracer.start_span("x")

@@ -65,6 +65,11 @@ def asked_for_logprobs(body: dict, operation: str) -> bool:
     return body.get("logprobs") is not None
 
 
+def asked_for_ids(body: dict) -> bool:
+    """Whether the caller itself asked for token ids (before :func:`with_capture` adds them)."""
+    return bool(body.get("return_token_ids"))
+
+
 def loads(data: bytes | str):
     """Decoded JSON, as ``json.loads(data)`` gives it, in a third to a half of its time.
 
@@ -100,46 +105,87 @@ def _get(obj, name: str):
     return extra.get(name) if extra else None
 
 
+def _clear(obj, name: str) -> None:
+    """Set a field of a JSON dict or of an openai object (an extra field included) to None."""
+    if isinstance(obj, dict):
+        obj[name] = None
+    elif name in obj.__dict__:
+        setattr(obj, name, None)
+    elif getattr(obj, "__pydantic_extra__", None):
+        obj.__pydantic_extra__[name] = None
+
+
 class _Choice:
-    __slots__ = ("ids", "logprobs", "finish_reason", "prompt_ids")
+    __slots__ = ("ids", "logprobs", "finish_reason", "prompt")
 
     def __init__(self):
-        self.prompt_ids = None  # completions only: each choice names its prompt
+        self.prompt: bytes | None = None  # completions only: each choice names its prompt (packed)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
 
 
 class Capture:
-    """Token ids and logprobs of one call, from its response or from its stream chunks in order."""
+    """Token ids and logprobs of one call, from its response or from its stream chunks in order.
 
-    def __init__(self, operation: str, *, caller_logprobs: bool = True):
+    The prompt's ids are packed (``semconv.encode_ids``) as soon as they are read: a prompt is the
+    largest thing captured, and packing it while the list just decoded is still in the CPU's
+    caches costs half what it costs at the end of a stream."""
+
+    def __init__(self, operation: str, *, caller_ids: bool = True, caller_logprobs: bool = True):
         self.operation = operation
         self._chat = operation == CHAT
-        self.caller_logprobs = caller_logprobs  # False: only lightspan asked (the instrumentor hides them)
+        # False: only lightspan asked for them, and ``add(..., hide=True)`` hands the caller vLLM's
+        # ``null`` for them, as vLLM answers a request without them
+        self.caller_ids = caller_ids
+        self.caller_logprobs = caller_logprobs
         self.fed = 0  # payloads folded in so far
         self.readable = True  # False once a payload could not be read (the instrumentor sets it)
-        self.prompt_ids = None
+        self.prompt: bytes | None = None  # the prompt's ids, packed
+        self.prompt_tokens = 0
         self.model = None
         self.choices: dict[int, _Choice] = {}
         self.parsed = False  # saw something shaped like a completion
+        self.temperature: float | None = None  # the request's: vLLM's processed logprobs are tempered
 
-    def add(self, payload, *, hide_logprobs: bool = False) -> None:
+    @classmethod
+    def for_request(cls, body: dict, operation: str) -> "Capture":
+        """A capture for a request body as the caller wrote it (before :func:`with_capture`)."""
+        cap = cls(operation, caller_ids=asked_for_ids(body), caller_logprobs=asked_for_logprobs(body, operation))
+        temperature = body.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            cap.temperature = float(temperature)
+        return cap
+
+    def _prompt(self, ids) -> bytes:
+        packed = semconv.encode_ids(ids)
+        if self.prompt is None:
+            self.prompt, self.prompt_tokens = packed, len(ids)
+        return packed
+
+    def add(self, payload, *, hide: bool = False) -> None:
         """Fold in one non-streaming response or one stream chunk.
 
-        ``hide_logprobs``: once read, set each choice's ``logprobs`` to None (the instrumentor does
-        it when only lightspan asked for them; on a decoded dict, before the client builds a model
-        per token from them)."""
+        ``hide``: once read, set what only lightspan asked for (token ids, logprobs) to None, as
+        vLLM answers a request without them: frameworks act on these fields (LangChain copies
+        logprobs into ``response_metadata``), and the client, the OpenAI instrumentation and the
+        gateway's caller would carry them for nothing. On a decoded dict this runs before the
+        client builds a model per token from them."""
         if type(payload) is dict:
-            self.add_json(payload, hide_logprobs)
+            self.add_json(payload, hide)
             return
         self.fed += 1
         choices = _get(payload, "choices")
         if choices is None:
             return
         self.parsed = True
-        if self.prompt_ids is None:
-            self.prompt_ids = _get(payload, "prompt_token_ids")
+        hide_ids, hide_logprobs = hide and not self.caller_ids, hide and not self.caller_logprobs
+        prompt_ids = _get(payload, "prompt_token_ids")
+        if prompt_ids is not None:
+            if self.prompt is None:
+                self._prompt(prompt_ids)
+            if hide_ids:
+                _clear(payload, "prompt_token_ids")
         if self.model is None:
             self.model = _get(payload, "model")
         for choice in choices:
@@ -150,12 +196,14 @@ class Capture:
             if self.operation != CHAT:  # completions name their prompt per choice (chat: at the top level)
                 prompt_ids = _get(choice, "prompt_token_ids")
                 if prompt_ids is not None:
-                    c.prompt_ids = prompt_ids
-                    if self.prompt_ids is None:
-                        self.prompt_ids = prompt_ids
+                    c.prompt = self._prompt(prompt_ids)
+                    if hide_ids:
+                        _clear(choice, "prompt_token_ids")
             ids = _get(choice, "token_ids")
-            if ids:
+            if ids is not None:
                 c.ids.extend(ids)
+                if hide_ids:
+                    _clear(choice, "token_ids")
             lp = _get(choice, "logprobs")
             if lp is not None:
                 if self.operation == CHAT:
@@ -163,15 +211,12 @@ class Capture:
                 else:
                     c.logprobs.extend(_get(lp, "token_logprobs") or ())
                 if hide_logprobs:
-                    if isinstance(choice, dict):
-                        choice["logprobs"] = None
-                    else:
-                        choice.logprobs = None
+                    _clear(choice, "logprobs")
             reason = _get(choice, "finish_reason")
             if reason:
                 c.finish_reason = reason
 
-    def add_json(self, payload: dict, hide_logprobs: bool = False) -> None:
+    def add_json(self, payload: dict, hide: bool = False) -> None:
         """:meth:`add` for decoded JSON: the same reads, with plain dict lookups (per stream chunk,
         the generic path's function calls were most of the cost)."""
         self.fed += 1
@@ -179,8 +224,13 @@ class Capture:
         if choices is None:
             return
         self.parsed = True
-        if self.prompt_ids is None:
-            self.prompt_ids = payload.get("prompt_token_ids")
+        hide_ids, hide_logprobs = hide and not self.caller_ids, hide and not self.caller_logprobs
+        prompt_ids = payload.get("prompt_token_ids")
+        if prompt_ids is not None:
+            if self.prompt is None:
+                self._prompt(prompt_ids)
+            if hide_ids:
+                payload["prompt_token_ids"] = None
         if self.model is None:
             self.model = payload.get("model")
         chat = self._chat
@@ -192,12 +242,14 @@ class Capture:
             if not chat:  # completions name their prompt per choice (chat: at the top level)
                 prompt_ids = choice.get("prompt_token_ids")
                 if prompt_ids is not None:
-                    c.prompt_ids = prompt_ids
-                    if self.prompt_ids is None:
-                        self.prompt_ids = prompt_ids
+                    c.prompt = self._prompt(prompt_ids)
+                    if hide_ids:
+                        choice["prompt_token_ids"] = None
             ids = choice.get("token_ids")
-            if ids:
+            if ids is not None:
                 c.ids += ids
+                if hide_ids:
+                    choice["token_ids"] = None
             lp = choice.get("logprobs")
             if lp is not None:
                 if chat:
@@ -218,13 +270,18 @@ class Capture:
     def status(self) -> str:
         if not self.parsed:
             return "unparsed_response"
-        if not self.choices or self.prompt_ids is None or any(not c.ids for c in self.choices.values()):
+        choices = self.choices.values()
+        if not choices or self.prompt is None:
             return "no_token_ids"
-        if any(c.prompt_ids is not None and c.prompt_ids is not self.prompt_ids and c.prompt_ids != self.prompt_ids
-               for c in self.choices.values()):
-            return "multiple_prompts"  # a batched completions request: one prompt per span only
-        if any(len(c.ids) != len(c.logprobs) for c in self.choices.values()):
-            return "logprobs_mismatch"
+        for c in choices:  # (loops, not any(): this runs once per call, on the agent's thread)
+            if not c.ids:
+                return "no_token_ids"
+        for c in choices:
+            if c.prompt is not None and c.prompt != self.prompt:
+                return "multiple_prompts"  # a batched completions request: one prompt per span only
+        for c in choices:
+            if len(c.ids) != len(c.logprobs):
+                return "logprobs_mismatch"
         return "ok"
 
     def attributes(self, model_version: int | None = None) -> dict:
@@ -234,13 +291,16 @@ class Capture:
             return {semconv.CAPTURE_STATUS: status}
         ordered = [self.choices[i] for i in sorted(self.choices)]
         attrs = {
-            semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(self.prompt_ids),
+            semconv.PROMPT_TOKEN_IDS: self.prompt,
             semconv.COMPLETION_TOKEN_IDS: tuple(semconv.encode_ids(c.ids) for c in ordered),
             semconv.COMPLETION_LOGPROBS: tuple(semconv.encode_floats(c.logprobs) for c in ordered),
             semconv.CAPTURE_STATUS: "ok",
         }
         if model_version is not None:
             attrs[semconv.MODEL_VERSION] = int(model_version)
+        if self.temperature is not None:
+            # the trainer tempers its logits the same way to compare its logprobs with these
+            attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = self.temperature
         return attrs
 
     def genai_attributes(self) -> dict:
@@ -249,8 +309,8 @@ class Capture:
         attrs = {}
         if self.model:
             attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(self.model)
-        if self.prompt_ids is not None:
-            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = len(self.prompt_ids)
+        if self.prompt is not None:
+            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = self.prompt_tokens
         if ordered and all(c.ids for c in ordered):
             attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = sum(len(c.ids) for c in ordered)
         reasons = tuple(c.finish_reason for c in ordered if c.finish_reason)

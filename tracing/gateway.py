@@ -118,22 +118,6 @@ def call_attributes(path_attrs: dict[str, str], headers) -> dict[str, str]:
     return attrs
 
 
-def strip_unasked(payload: dict, asked: dict, op: str) -> dict:
-    """Set the fields the gateway added, and the caller did not ask for, back to vLLM's ``null``."""
-    keep_ids = bool(asked.get("return_token_ids"))
-    keep_logprobs = bool(asked.get("logprobs")) if op == CHAT else asked.get("logprobs") is not None
-    if not keep_ids and payload.get("prompt_token_ids") is not None:
-        payload["prompt_token_ids"] = None
-    for choice in payload.get("choices") or ():
-        if not keep_ids:
-            for key in ("token_ids", "prompt_token_ids"):
-                if choice.get(key) is not None:
-                    choice[key] = None
-        if not keep_logprobs and choice.get("logprobs") is not None:
-            choice["logprobs"] = None
-    return payload
-
-
 def input_messages(body: dict, op: str) -> str:
     """``gen_ai.input.messages`` (GenAI semantic conventions: role + parts) of a request."""
     if op != CHAT:
@@ -480,17 +464,15 @@ class _Handler(BaseHTTPRequestHandler):
         if resp.status_code != 200:
             self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
             return resp.status_code, resp.content, resp.headers.get("Content-Type", "application/json")
-        cap, texts = Capture(op), _Texts(op)
+        cap, texts = Capture.for_request(asked, op), _Texts(op)
         if stream:
-            complete = self._relay_stream(resp, asked, op, cap, texts)
+            complete = self._relay_stream(resp, cap, texts)
             answer = _END_OF_STREAM if complete else None
             self.close_connection = self.close_connection or not complete
         else:
             payload = resp.json()
-            cap.add(payload)
+            cap.add(payload, hide=gw.cfg.strip_capture_fields)  # the fields only the gateway asked for: null
             texts.add(payload)
-            if gw.cfg.strip_capture_fields:
-                strip_unasked(payload, asked, op)
             answer = complete = (200, _dumps(payload).encode(), "application/json")
         if complete:
             span.set_attributes({**cap.attributes(gw.version.get()), **cap.genai_attributes()})
@@ -508,7 +490,7 @@ class _Handler(BaseHTTPRequestHandler):
         with self.gateway.admission.cond:
             self.gateway.admission.counts["upstream_errors"] += 1
 
-    def _relay_stream(self, resp, asked: dict, op: str, cap: Capture, texts: _Texts) -> bool:
+    def _relay_stream(self, resp, cap: Capture, texts: _Texts) -> bool:
         """Relay vLLM's server-sent events chunk by chunk; True when ``[DONE]`` was seen (the
         chunked body's terminator is left to the caller, after the span has ended)."""
         strip = self.gateway.cfg.strip_capture_fields
@@ -529,10 +511,10 @@ class _Handler(BaseHTTPRequestHandler):
                     done = True
                 elif data.startswith(b"{"):
                     chunk = json.loads(data)
-                    cap.add(chunk)
+                    cap.add(chunk, hide=strip)
                     texts.add(chunk)
                     if strip:
-                        data = _dumps(strip_unasked(chunk, asked, op)).encode()
+                        data = _dumps(chunk).encode()
                 self._chunk(b"data: " + data + b"\n\n")
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError) as e:
             log.warning("upstream stream broke off: %s", e)

@@ -10,10 +10,12 @@ span the OpenAI instrumentation opened (traceloop's or OTel's), so the attribute
 2. the response's prompt ids, completion ids (one list per choice, ``n > 1`` included) and
    logprobs are recorded as little-endian bytes (DESIGN §3.1), with the serving policy version
    (``LIGHTSPAN_MODEL_VERSION``) and ``lightspan.capture.status`` (``ok`` or why not);
-3. streams (``stream=True``, sync and async, chat and completions) are tapped: the stream object
-   the caller gets is the same one, its chunks are the same, and the ids collected from them are
-   recorded when the stream ends — before the OpenAI instrumentation's own end-of-stream handling
-   ends its span. A stream abandoned early keeps ``capture.status=stream_incomplete``;
+3. streams (``stream=True``, sync and async, chat and completions) are decoded by lightspan: the
+   stream object the caller gets is the same one, with its server-sent-event decoder replaced
+   (``_CapturedDecoder``, over ``sse.SSEParser``); its chunks are the same, and the ids collected
+   from them are recorded when the stream ends — before the OpenAI instrumentation's own
+   end-of-stream handling ends its span. A stream abandoned early keeps
+   ``capture.status=stream_incomplete``;
 4. when the current span is not an LLM span (no OpenAI instrumentation installed, or only an
    agent's own span), it opens a GenAI span of its own around the call;
 5. when two LLM spans nest for one call (both traceloop's and OTel's OpenAI instrumentation are
@@ -30,16 +32,17 @@ span the OpenAI instrumentation opened (traceloop's or OTel's), so the attribute
    the raw-response header, as LiteLLM calls, bypassing ``chat.completions.create`` and so the
    OpenAI instrumentation) are parsed through their own cache, so the caller gets the same object;
 8. a captured call's JSON (the response body, or each stream chunk) is decoded by lightspan
-   (``capture.loads``: orjson, ``json`` for what orjson refuses) in hooks on the client's JSON
-   decoding (``httpx2.Response.json``, ``openai._streaming.ServerSentEvent.json``), active only
-   inside a captured call; the ids and logprobs are read from the decoded dict there, and the
-   logprobs only lightspan asked for are dropped before the client builds its models: the caller
-   gets ``logprobs: null`` as vLLM answers a request without them, and the client builds no model
-   per token for them — that model building was once most of capture's cost, decoding vLLM's
-   larger JSON with ``json`` most of what remained (bench/capture_overhead.py). The hooks are plain
-   functions, not wrapt wrappers: every response and stream chunk of every client passes through
-   them, and outside a captured call they cost one context-variable read. Where they do not fire
-   (another HTTP client passed to openai), the parsed objects are read instead.
+   (``capture.loads``: orjson, ``json`` for what orjson refuses): the body in a hook on the
+   client's JSON decoding (``httpx2.Response.json``), active only inside a captured call, each
+   chunk in its event's ``json()``. The ids and logprobs are read from the decoded dict there, and
+   those only lightspan asked for are set to ``null`` before the client builds its models, as vLLM
+   answers a request without them: the caller gets what it gets without lightspan, and the client
+   builds no model per token for them. That model building was once most of capture's cost;
+   decoding vLLM's larger JSON with ``json``, and its larger streams with openai's SSE decoder,
+   most of what remained (bench/capture_overhead.py). The hook is a plain function, not a wrapt
+   wrapper: every response of every client passes through it, and outside a captured call it
+   costs one context-variable read. Where it does not fire (another HTTP client passed to openai),
+   the parsed objects are read instead.
 """
 
 from __future__ import annotations
@@ -64,12 +67,12 @@ from wrapt import wrap_function_wrapper
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import (  # noqa: F401  (re-exported: the instrumentor's API)
     Capture,
-    asked_for_logprobs,
     attributes_from_response,
     loads,
     operation as _operation,
     with_capture,
 )
+from lightspan.tracing.sse import SSEParser
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,12 @@ def _capture_operation(base_url: str, path: str, urls_raw: str) -> str | None:
 
 
 def model_version() -> int | None:
-    version = os.environ.get("LIGHTSPAN_MODEL_VERSION", "").strip()
+    return _model_version(os.environ.get("LIGHTSPAN_MODEL_VERSION", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_version(raw: str) -> int | None:
+    version = raw.strip()
     return int(version) if version.lstrip("-").isdigit() else None
 
 
@@ -166,8 +174,8 @@ class _Nesting(SpanProcessor):
 
 
 _NESTING = _Nesting()
-# the capture whose response the openai client is decoding right now (set around the call, and
-# around each stream chunk's read): the JSON hook feeds it
+# the capture whose response the openai client is decoding right now (set around the call): the
+# JSON hook feeds it
 _FEEDING: contextvars.ContextVar = contextvars.ContextVar("lightspan_feeding", default=None)
 _PROVIDERS: weakref.WeakSet = weakref.WeakSet()
 _tracer_provider = None
@@ -175,12 +183,29 @@ _tracer_provider = None
 
 def _mark_enclosing(inner) -> None:
     """Mark every LLM span enclosing ``inner`` as a duplicate of it."""
-    inner_id = format(inner.get_span_context().span_id, "016x")
     outer = _NESTING.enclosing.get(inner)
+    if outer is None:
+        return
+    inner_id = format(inner.get_span_context().span_id, "016x")
     while outer is not None:
         if outer.is_recording():
             outer.set_attributes({semconv.CAPTURE_STATUS: "duplicate", semconv.CAPTURE_DUPLICATE_OF: inner_id})
         outer = _NESTING.enclosing.get(outer)
+
+
+_LAST_BASE_URL: tuple = (None, "")  # (the base URL object seen last, its text)
+
+
+def _base_url_text(instance) -> str:
+    """The client's base URL as text (``str()`` of an httpx URL costs more than the rest of
+    ``_prepare``; a client's URL object is immutable, and most agents call one URL)."""
+    global _LAST_BASE_URL
+    url = getattr(instance, "base_url", "")
+    last, text = _LAST_BASE_URL
+    if url is not last:
+        text = str(url)
+        _LAST_BASE_URL = (url, text)
+    return text
 
 
 def _prepare(instance, args, kwargs):
@@ -189,43 +214,33 @@ def _prepare(instance, args, kwargs):
     body = kwargs.get("body")
     if not isinstance(body, dict) or not isinstance(path, str):
         return None, False, kwargs
-    op = _capture_operation(str(getattr(instance, "base_url", "")), path,
-                            os.environ.get("LIGHTSPAN_CAPTURE_URLS", ""))
+    op = _capture_operation(_base_url_text(instance), path, os.environ.get("LIGHTSPAN_CAPTURE_URLS", ""))
     if op is None:
         return None, False, kwargs
     stream = bool(kwargs.get("stream") or body.get("stream"))
-    cap = Capture(op, caller_logprobs=asked_for_logprobs(body, op))
+    options = kwargs.get("options")
+    extra = options.get("extra_json") if isinstance(options, dict) else None
+    # what the caller asked for: openai merges ``extra_body`` (``options["extra_json"]``) over the body
+    cap = Capture.for_request({**body, **extra} if isinstance(extra, dict) and extra else body, op)
     return cap, stream, {**kwargs, "body": with_capture(body, op)}
 
 
 def _target(op: str, kwargs):
     """(span to record on, whether we opened it): the current LLM span, or a new GenAI span."""
-    body = kwargs.get("body") or {}
     current = trace.get_current_span()
     if is_llm_span(current):
         _mark_enclosing(current)
-        _sampling(current, body)
         return current, False
     pending = _NESTING.pending_llm_span() if _NESTING.active else None
     if pending is not None:
         _mark_enclosing(pending)
-        _sampling(pending, body)
         return pending, False
-    model = body.get("model", "")
+    model = (kwargs.get("body") or {}).get("model", "")
     span = trace.get_tracer(_TRACER_NAME, tracer_provider=_tracer_provider).start_span(
         f"{op} {model}".strip(), kind=trace.SpanKind.CLIENT,
         attributes={semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model})
     _mark_enclosing(span)  # an LLM span further up (under a framework's own span) describes this call too
-    _sampling(span, body)
     return span, True
-
-
-def _sampling(span, body: dict) -> None:
-    """The request's temperature: vLLM's processed logprobs are those of the tempered distribution,
-    so the trainer must temper its logits the same way to compare with them."""
-    temperature = body.get("temperature")
-    if isinstance(temperature, (int, float)) and span.is_recording():
-        span.set_attribute(semconv.GEN_AI_REQUEST_TEMPERATURE, float(temperature))
 
 
 def _record(span, cap: Capture, owned: bool) -> None:
@@ -252,13 +267,11 @@ def _failed(span, owned: bool, exc: BaseException) -> None:
 
 
 def _add(cap: Capture, payload) -> None:
-    """Fold a response or chunk (decoded JSON, or the client's parsed object) into ``cap``; when
-    only lightspan asked for logprobs, hand the caller what vLLM answers a request without them
-    (``logprobs: null``): frameworks act on the field (LangChain copies it into
-    ``response_metadata``), and the client and the OpenAI instrumentation would process them for
-    nothing. An unreadable payload marks the capture unreadable; the caller's call goes on."""
+    """Fold a response or chunk (decoded JSON, or the client's parsed object) into ``cap``, handing
+    the caller ``null`` for the ids and logprobs only lightspan asked for (``Capture.add``). An
+    unreadable payload marks the capture unreadable; the caller's call goes on."""
     try:
-        cap.add(payload, hide_logprobs=not cap.caller_logprobs)
+        cap.add(payload, hide=True)
     except Exception:
         _unreadable(cap)
 
@@ -273,7 +286,7 @@ def _read_captured(cap: Capture, raw):
     data = loads(raw)
     if type(data) is dict:
         try:
-            cap.add_json(data, not cap.caller_logprobs)
+            cap.add_json(data, True)
         except Exception:
             _unreadable(cap)
     return data
@@ -291,35 +304,20 @@ def _response_json_hook(original):
     return json
 
 
-def _event_json_hook(original):
-    """``ServerSentEvent.json``: the same for each chunk of a captured stream."""
-    @functools.wraps(original)
-    def json(self):
-        cap = _FEEDING.get()
-        if cap is None:
-            return original(self)
-        return _read_captured(cap, self.data)
-    return json
-
-
 def _json_hook_targets() -> list[tuple[type, object]]:
     """(class, hook factory) for each JSON decoder to hook: openai 3.x is built on ``httpx2``, and
     still takes an ``httpx`` client (hooked when something imported ``httpx`` by ``instrument()``;
-    a client of a library not hooked is read from its parsed objects); openai 1.x/2.x use ``httpx``."""
-    import importlib
+    a client of a library not hooked is read from its parsed objects); openai 1.x/2.x use ``httpx``.
+    Streams need no hook: their events come from lightspan's own decoder (``_CapturedDecoder``)."""
     import sys
 
     import openai._base_client  # noqa: F401  (imports the HTTP library this openai version is built on)
 
     targets = []
-    for module, cls, factory in (("httpx2", "Response", _response_json_hook),
-                                 ("httpx", "Response", _response_json_hook),
-                                 ("openai._streaming", "ServerSentEvent", _event_json_hook)):
+    for module in ("httpx2", "httpx"):
         mod = sys.modules.get(module)
-        if mod is None and module.startswith("openai"):
-            mod = importlib.import_module(module)
-        if mod is not None and hasattr(mod, cls):
-            targets.append((getattr(mod, cls), factory))
+        if mod is not None and hasattr(mod, "Response"):
+            targets.append((mod.Response, _response_json_hook))
     return targets
 
 
@@ -346,60 +344,117 @@ def _remove_json_hooks() -> None:
             cls.json = original
 
 
-def _tap(iterator, cap: Capture, span, owned: bool):
-    """The stream's chunks, unchanged; records the ids once the last one has been read."""
-    finished = False
-    try:
-        while True:
-            fed, token = cap.fed, _FEEDING.set(cap)
-            try:
-                chunk = next(iterator)  # decodes the chunk: the JSON hook feeds ``cap``
-            except StopIteration:
-                break
-            finally:
-                _FEEDING.reset(token)
-            if cap.fed == fed:  # the hook did not see it: read the parsed chunk
-                _add(cap, chunk)
-            yield chunk
-        finished = True
-        # still inside the caller's __next__: the OpenAI instrumentation ends its span only after
-        # StopIteration reaches it, so these attributes land first
-        _record(span, cap, owned)
-    finally:
-        if not finished:
-            getattr(iterator, "close", lambda: None)()
-        if owned:
-            span.end()
+class _CapturedDecoder:
+    """The SSE decoder of a captured stream (``Stream._decoder``; openai builds the stream's events
+    with it, lazily, when the caller starts reading).
+
+    Its events come from :class:`~lightspan.tracing.sse.SSEParser` and decode their JSON with
+    :func:`_read_captured`: each chunk is read into the capture as the client decodes it, and the
+    caller gets its chunks as without lightspan (module docstring, 8.). The ids are recorded when
+    the ``[DONE]`` event is handed on, or when the bytes end: every chunk before it has been decoded
+    by then, and the OpenAI instrumentation ends its span only after the stream ends, so the
+    attributes land first. A stream left before its end keeps ``capture.status=stream_incomplete``.
+    A decoder of the client's own (``_make_sse_decoder`` overridden) is kept, and its events are
+    read as they pass.
+    """
+
+    def __init__(self, inner, cap: Capture, span, owned: bool):
+        from openai._streaming import SSEDecoder
+
+        self.inner, self.cap, self.span, self.owned = inner, cap, span, owned
+        self.own = type(inner) is SSEDecoder  # the decoder SSEParser reproduces (tests/tracing/test_sse.py)
+        self.ended = False
+
+    def _parser(self) -> SSEParser:
+        cap, event = self.cap, _captured_event_type()
+        return SSEParser(lambda name, data, id, retry: event(cap, name, data, id, retry))
+
+    def _read(self, sse) -> None:
+        """An event of the client's own decoder: read into the capture (the client decodes its own copy)."""
+        if sse.data.startswith("[DONE]"):
+            self._end(True)
+            return
+        try:
+            _read_captured(self.cap, sse.data)
+        except Exception:
+            _unreadable(self.cap)
+
+    def _end(self, complete: bool) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if complete:
+            _record(self.span, self.cap, self.owned)
+        if self.owned:
+            self.span.end()
+
+    def iter_bytes(self, iterator):
+        try:
+            if self.own:
+                parser = self._parser()
+                for chunk in iterator:
+                    for sse in parser.feed(chunk):
+                        if sse.data.startswith("[DONE]"):
+                            self._end(True)
+                        yield sse
+                    if parser.error is not None:
+                        raise parser.error
+                parser.finish()
+                if parser.error is not None:
+                    raise parser.error
+            else:
+                for sse in self.inner.iter_bytes(iterator):
+                    self._read(sse)
+                    yield sse
+            self._end(True)
+        finally:
+            self._end(False)
+
+    async def aiter_bytes(self, iterator):
+        try:
+            if self.own:
+                parser = self._parser()
+                async for chunk in iterator:
+                    for sse in parser.feed(chunk):
+                        if sse.data.startswith("[DONE]"):
+                            self._end(True)
+                        yield sse
+                    if parser.error is not None:
+                        raise parser.error
+                parser.finish()
+                if parser.error is not None:
+                    raise parser.error
+            else:
+                async for sse in self.inner.aiter_bytes(iterator):
+                    self._read(sse)
+                    yield sse
+            self._end(True)
+        finally:
+            self._end(False)
 
 
-async def _atap(iterator, cap: Capture, span, owned: bool):
-    finished = False
-    try:
-        while True:
-            fed, token = cap.fed, _FEEDING.set(cap)
-            try:
-                chunk = await iterator.__anext__()
-            except StopAsyncIteration:
-                break
-            finally:
-                _FEEDING.reset(token)
-            if cap.fed == fed:
-                _add(cap, chunk)
-            yield chunk
-        finished = True
-        _record(span, cap, owned)
-    finally:
-        if not finished and hasattr(iterator, "aclose"):
-            await iterator.aclose()
-        if owned:
-            span.end()
+@functools.lru_cache(maxsize=1)
+def _captured_event_type() -> type:
+    """openai's ``ServerSentEvent``, whose ``json()`` decodes with lightspan and feeds a capture."""
+    from openai._streaming import ServerSentEvent
+
+    class CapturedEvent(ServerSentEvent):
+        def __init__(self, cap: Capture, event, data, id, retry):
+            super().__init__(event=event, data=data, id=id, retry=retry)
+            self._lightspan_capture = cap
+
+        def json(self):
+            return _read_captured(self._lightspan_capture, self.data)
+
+    return CapturedEvent
 
 
 def _tapped(stream, cap: Capture, span, owned: bool):
-    """The same Stream/AsyncStream object, its iterator replaced by a tap (so isinstance checks,
-    ``with`` blocks, ``.response`` and ``.close()`` are untouched)."""
-    iterator = getattr(stream, "_iterator", None)
-    if iterator is None:  # with_streaming_response / with_raw_response: not parsed chunks
+    """The same Stream/AsyncStream object, its SSE decoder replaced by a ``_CapturedDecoder`` (so
+    isinstance checks, ``with`` blocks, ``.response`` and ``.close()`` are untouched)."""
+    decoder = getattr(stream, "_decoder", None)
+    if decoder is None or getattr(stream, "_iterator", None) is None:
+        # with_streaming_response / with_raw_response: not parsed chunks
         if span.is_recording():
             span.set_attribute(semconv.CAPTURE_STATUS, "unparsed_response")
         if owned:
@@ -407,9 +462,15 @@ def _tapped(stream, cap: Capture, span, owned: bool):
         return stream
     if span.is_recording():
         span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
-    tap = _atap if hasattr(iterator, "__anext__") else _tap
-    stream._iterator = tap(iterator, cap, span, owned)
+    stream._decoder = _CapturedDecoder(decoder, cap, span, owned)
     return stream
+
+
+@functools.lru_cache(maxsize=1)
+def _legacy_response_type() -> type:
+    from openai._legacy_response import LegacyAPIResponse
+
+    return LegacyAPIResponse
 
 
 def _parse_raw(resp, cap: Capture):
@@ -422,9 +483,7 @@ def _parse_raw(resp, cap: Capture):
     ``APIResponse`` of ``with_streaming_response`` is left alone: its body is not read yet, and
     reading it here would take the streaming away from the caller.
     """
-    from openai._legacy_response import LegacyAPIResponse
-
-    if not isinstance(resp, LegacyAPIResponse):
+    if not isinstance(resp, _legacy_response_type()):
         return None
     token = _FEEDING.set(cap)
     try:

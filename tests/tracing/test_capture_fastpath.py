@@ -153,21 +153,34 @@ def test_dict_and_object_paths_agree(operation, payloads):
         assert logprobs == [[-1.25, -2.5]]
 
 
-def test_hide_logprobs_empties_only_logprobs():
+@pytest.mark.parametrize("caller_ids,caller_logprobs", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("as_objects", [False, True])
+def test_hide_empties_only_what_the_caller_did_not_ask_for(caller_ids, caller_logprobs, as_objects):
+    """``hide`` sets the ids and logprobs only lightspan asked for to None (vLLM's answer to a
+    request without them), on decoded JSON and on parsed objects alike, after reading them."""
     chunks = _chat_chunks()
-    kept = json.loads(json.dumps(chunks))
-    cap = Capture("chat", caller_logprobs=False)
-    for chunk in chunks:
-        cap.add(chunk, hide_logprobs=True)
+    expected = json.loads(json.dumps(chunks))
+    for chunk in expected:
+        if not caller_ids and chunk["prompt_token_ids"] is not None:
+            chunk["prompt_token_ids"] = None
+        for choice in chunk["choices"]:
+            if not caller_ids and "token_ids" in choice:
+                choice["token_ids"] = None
+            if not caller_logprobs:
+                choice["logprobs"] = None
+    payloads = [_as_obj(c) for c in chunks] if as_objects else chunks
+    cap = Capture("chat", caller_ids=caller_ids, caller_logprobs=caller_logprobs)
+    for payload in payloads:
+        cap.add(payload, hide=True)
     assert cap.status() == "ok"  # read before they were dropped
-    for ours, theirs in zip(chunks, kept, strict=True):
-        for choice in theirs["choices"]:
-            choice["logprobs"] = None
-        assert ours == theirs
-    # without the flag (the gateway's way) nothing is touched
+    assert semconv.decode_ids(cap.attributes()[semconv.PROMPT_TOKEN_IDS]) == [1, 2, 3]
+    if as_objects:
+        payloads = [json.loads(json.dumps(p, default=lambda o: o.__dict__)) for p in payloads]
+    assert payloads == expected
+    # without the flag nothing is touched
     chunks = _chat_chunks()
     for chunk in chunks:
-        Capture("chat").add(chunk)
+        Capture("chat", caller_ids=False, caller_logprobs=False).add(chunk)
     assert chunks == _chat_chunks()
 
 
@@ -254,8 +267,8 @@ def _call_all(body: bytes, content_type: str, stream: bool, **kw):
 
 
 def _expected(body: bytes, content_type: str, stream: bool):
-    """What a client without lightspan makes of the same body, logprobs emptied as lightspan does
-    when the caller did not ask for them (vLLM's answer to a request without them)."""
+    """What a client without lightspan makes of the same body, ids and logprobs emptied as lightspan
+    does when the caller did not ask for them (vLLM's answer to a request without them)."""
     LightspanInstrumentor().uninstrument()
     try:
         (plain, _), _ = _call_all(body, content_type, stream)
@@ -263,8 +276,12 @@ def _expected(body: bytes, content_type: str, stream: bool):
         LightspanInstrumentor().instrument(tracer_provider=_PROVIDER)
     out = _dumps(plain)
     for item in out:
+        if item.get("prompt_token_ids") is not None:
+            item["prompt_token_ids"] = None
         for choice in item["choices"]:
             choice["logprobs"] = None
+            if choice.get("token_ids") is not None:
+                choice["token_ids"] = None
     return out
 
 
@@ -293,6 +310,43 @@ def test_the_caller_gets_what_it_would_get_without_lightspan(lightspan, stream, 
             assert semconv.decode_ids(span.attributes[semconv.PROMPT_TOKEN_IDS]) == [1, 2, 3]
             (lp,) = span.attributes[semconv.COMPLETION_LOGPROBS]
             assert semconv.decode_floats(lp) == [-0.25, -9999.0]
+
+
+def test_a_stream_of_a_client_with_its_own_sse_decoder_is_read_as_it_passes(lightspan):
+    """A client that builds its own SSE decoder (``_make_sse_decoder`` overridden) keeps it: its
+    events are read into the capture, and the caller gets the chunks that decoder makes; streams
+    cut into many small pieces (as a real server sends them) are captured by lightspan's own."""
+    import httpx2
+    from openai import OpenAI
+    from openai._streaming import SSEDecoder
+
+    class OwnDecoder(SSEDecoder):
+        pass
+
+    class OwnClient(OpenAI):
+        def _make_sse_decoder(self):
+            return OwnDecoder()
+
+    body = _stream_body()
+    pieces = [body[i:i + 7] for i in range(0, len(body), 7)]
+
+    def handler(request):
+        return httpx2.Response(200, content=iter(pieces) if "small" in request.url.path else body,
+                               headers={"content-type": "text/event-stream"})
+
+    transport = httpx2.MockTransport(handler)
+    own = OwnClient(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
+                    http_client=httpx2.Client(transport=transport))
+    chunks = list(own.chat.completions.create(**_ASK, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == [1, 2, 3]  # its own decoding: nothing hidden
+    small = OpenAI(base_url="http://127.0.0.1:9/small/v1", api_key="x", max_retries=0,
+                   http_client=httpx2.Client(transport=transport))
+    assert len(list(small.chat.completions.create(**_ASK, stream=True))) == len(chunks)
+    spans = [s for s in lightspan.get_finished_spans() if s.attributes.get(semconv.CAPTURE_STATUS)]
+    assert [s.attributes[semconv.CAPTURE_STATUS] for s in spans] == ["ok", "ok"]
+    for span in spans:
+        assert [semconv.decode_ids(b) for b in span.attributes[semconv.COMPLETION_TOKEN_IDS]] == [[0, 1, 2],
+                                                                                                [10, 11, 12]]
 
 
 def test_logprobs_the_caller_asked_for_are_kept(lightspan):
@@ -340,20 +394,22 @@ def test_a_broken_body_fails_as_it_would_without_lightspan(lightspan):
 
 
 def test_hooks_come_off_with_uninstrument():
+    """One hook, on the response's JSON decoding; streams need none (their decoder is replaced per
+    captured stream), so openai's ``ServerSentEvent`` is never touched."""
     import httpx2
     from openai._streaming import ServerSentEvent
 
-    originals = (httpx2.Response.__dict__["json"], ServerSentEvent.__dict__["json"])
+    original, event_json = httpx2.Response.__dict__["json"], ServerSentEvent.__dict__["json"]
     LightspanInstrumentor().instrument(tracer_provider=_PROVIDER)
     try:
-        hooked = (httpx2.Response.__dict__["json"], ServerSentEvent.__dict__["json"])
-        assert hooked[0] is not originals[0] and hooked[1] is not originals[1]
+        assert httpx2.Response.__dict__["json"] is not original
         LightspanInstrumentor().uninstrument()
         LightspanInstrumentor().instrument(tracer_provider=_PROVIDER)  # again: one layer, not two
-        assert (httpx2.Response.__dict__["json"].__wrapped__, ServerSentEvent.__dict__["json"].__wrapped__) == originals
+        assert httpx2.Response.__dict__["json"].__wrapped__ is original
+        assert ServerSentEvent.__dict__["json"] is event_json
     finally:
         LightspanInstrumentor().uninstrument()
-    assert (httpx2.Response.__dict__["json"], ServerSentEvent.__dict__["json"]) == originals
+    assert httpx2.Response.__dict__["json"] is original
 
 
 def test_real_vllm_answers_decode_alike(vllm_server):

@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from lightspan.config import ConfigError
 from lightspan.tracing import semconv
-from lightspan.tracing.gateway import Gateway, GatewayConfig, route, strip_unasked
+from lightspan.tracing.capture import Capture
+from lightspan.tracing.gateway import Gateway, GatewayConfig, route
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -30,15 +31,21 @@ def test_route_reads_ids_from_the_path_prefix():
     assert route("/admin/pause") is None and route("/rollouts/r/chat/completions") is None
 
 
-def test_strip_keeps_what_the_caller_asked_for():
+def test_hide_keeps_what_the_caller_asked_for():
     def payload():
         return {"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2], "logprobs": {"content": []}}]}
 
-    assert strip_unasked(payload(), {}, "chat") == {
+    def hidden(asked: dict, op: str) -> dict:
+        cap, out = Capture.for_request(asked, op), payload()
+        cap.add(out, hide=True)
+        assert cap.prompt == semconv.encode_ids([1]) and cap.choices[0].ids == [2]  # read before hiding
+        return out
+
+    assert hidden({}, "chat") == {
         "prompt_token_ids": None, "choices": [{"index": 0, "token_ids": None, "logprobs": None}]}
-    assert strip_unasked(payload(), {"return_token_ids": True, "logprobs": True}, "chat") == payload()
+    assert hidden({"return_token_ids": True, "logprobs": True}, "chat") == payload()
     # completions: logprobs=0 is a request for the sampled token's logprob
-    kept = strip_unasked(payload(), {"logprobs": 0}, "text_completion")
+    kept = hidden({"logprobs": 0}, "text_completion")
     assert kept["choices"][0]["logprobs"] is not None and kept["choices"][0]["token_ids"] is None
 
 

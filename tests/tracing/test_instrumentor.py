@@ -140,8 +140,13 @@ def test_chat_sync_async_and_completions_record_ids(spans, vllm_server, monkeypa
     assert reward.attributes[semconv.REWARD] == 0.25
     assert reward.parent.span_id == root.context.span_id
     assert chat_span.parent.span_id == root.context.span_id
-    # the agent still sees an ordinary response
+    # the agent still sees an ordinary response: without the ids and logprobs only lightspan
+    # asked for (vLLM's null, as for a request without them), with the temperature on the span
     assert chat.choices[0].message.content is not None and comp.choices[0].text is not None
+    assert chat.model_extra["prompt_token_ids"] is None and chat.choices[0].model_extra["token_ids"] is None
+    assert chat.choices[0].logprobs is None and comp.choices[0].logprobs is None
+    assert comp.choices[0].model_extra["prompt_token_ids"] is None and comp.choices[0].model_extra["token_ids"] is None
+    assert chat_span.attributes[semconv.GEN_AI_REQUEST_TEMPERATURE] == 1.0
 
 
 def test_hosted_endpoints_are_left_alone(spans, monkeypatch):
@@ -197,32 +202,41 @@ def _assert_recorded(span, prompt, completions):
 def test_streams_sync_and_async_chat_and_completions(spans, vllm_server):
     """The stream the caller reads is unchanged, and the ids are on the span it exported: the
     OpenAI instrumentation ends its span when the stream is exhausted, so had our attributes come
-    after that end, the exported span would not carry them."""
+    after that end, the exported span would not carry them. Two of the calls ask for the ids
+    themselves and see them (equal to the recorded ones); the other two see vLLM's ``null``, as
+    without lightspan."""
     from openai import AsyncOpenAI, OpenAI
 
     url = f"{vllm_server.url}/v1"
     client = OpenAI(base_url=url, api_key="x")
     messages = [{"role": "user", "content": "hi"}]
+    ask = {"extra_body": {"return_token_ids": True}}
     seen = []
-    stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, n=2, stream=True)
-    seen.append(("chat", list(stream)))
+    stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, n=2, stream=True, **ask)
+    seen.append(("chat", True, list(stream)))
     # (traceloop turns a completions stream into a plain generator: no `with` here)
     stream = client.completions.create(model="policy", prompt="abc", max_tokens=4, stream=True)
-    seen.append(("text_completion", [chunk for chunk in stream]))
+    seen.append(("text_completion", False, [chunk for chunk in stream]))
 
     async def call_async():
         aclient = AsyncOpenAI(base_url=url, api_key="x")
         s1 = await aclient.chat.completions.create(model="policy", messages=messages, max_tokens=3, stream=True)
-        s2 = await aclient.completions.create(model="policy", prompt="xy", max_tokens=3, n=2, stream=True)
-        return [("chat", [c async for c in s1]), ("text_completion", [c async for c in s2])]
+        s2 = await aclient.completions.create(model="policy", prompt="xy", max_tokens=3, n=2, stream=True, **ask)
+        return [("chat", False, [c async for c in s1]), ("text_completion", True, [c async for c in s2])]
 
     seen += asyncio.run(call_async())
     llm = sorted(_llm_spans(spans), key=lambda s: s.start_time)
-    assert [s.attributes[semconv.GEN_AI_OPERATION_NAME] for s in llm] == [op for op, _ in seen]
-    for span, (op, chunks) in zip(llm, seen):
+    assert [s.attributes[semconv.GEN_AI_OPERATION_NAME] for s in llm] == [op for op, _, _ in seen]
+    for span, (op, asked, chunks) in zip(llm, seen):
         prompt, completions = _chunk_ids(chunks)
-        assert prompt and all(completions)
-        _assert_recorded(span, prompt, completions)
+        if asked:
+            assert prompt and all(completions)
+            _assert_recorded(span, prompt, completions)
+        else:
+            assert prompt is None and not any(completions)  # vLLM's answer to a request without them
+            recorded = [semconv.decode_ids(b) for b in span.attributes[semconv.COMPLETION_TOKEN_IDS]]
+            _assert_recorded(span, semconv.decode_ids(span.attributes[semconv.PROMPT_TOKEN_IDS]), recorded)
+            assert len(recorded) == len(completions) and all(recorded)
         # what the caller got is vLLM's stream: the text is there, and no usage chunk was added
         assert all(chunk.choices for chunk in chunks)
 
@@ -246,12 +260,13 @@ def test_n_choices_and_tools(spans, vllm_server):
 
     client = OpenAI(base_url=f"{vllm_server.url}/v1", api_key="x")
     messages = [{"role": "user", "content": "add 2 and 3"}]
-    many = client.chat.completions.create(model="policy", messages=messages, max_tokens=4, n=3)
+    ask = {"extra_body": {"return_token_ids": True}}  # the caller sees the ids it asked for
+    many = client.chat.completions.create(model="policy", messages=messages, max_tokens=4, n=3, **ask)
     tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
     tooled = client.chat.completions.create(model="policy", messages=messages, max_tokens=4, tools=tools,
-                                            tool_choice="none")
-    texts = client.completions.create(model="policy", prompt="abc", max_tokens=3, n=2)
+                                            tool_choice="none", **ask)
+    texts = client.completions.create(model="policy", prompt="abc", max_tokens=3, n=2, **ask)
     first, second, third = _llm_spans(spans)
     prompt = many.model_extra["prompt_token_ids"]
     _assert_recorded(first, prompt, [c.model_extra["token_ids"] for c in many.choices])

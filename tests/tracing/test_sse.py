@@ -1,0 +1,83 @@
+"""lightspan's SSE parser yields what openai's own decoder yields, for any stream cut anywhere."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai._streaming import ServerSentEvent, SSEDecoder
+
+from lightspan.tracing.sse import SSEParser
+
+
+def _key(sse) -> tuple:
+    return sse.event, sse.data, sse.id, sse.retry
+
+
+def _theirs(chunks: list[bytes]) -> tuple[list, str | None]:
+    out = []
+    try:
+        for sse in SSEDecoder().iter_bytes(iter(chunks)):
+            out.append(_key(sse))
+    except UnicodeDecodeError:
+        return out, "UnicodeDecodeError"
+    return out, None
+
+
+def _ours(chunks: list[bytes]) -> tuple[list, str | None]:
+    parser = SSEParser(lambda event, data, id, retry: ServerSentEvent(event=event, data=data, id=id, retry=retry))
+    out = []
+    for chunk in chunks:
+        out += [_key(e) for e in parser.feed(chunk)]
+        if parser.error is not None:
+            return out, type(parser.error).__name__
+    parser.finish()
+    return out, None if parser.error is None else type(parser.error).__name__
+
+
+_NAMES = st.sampled_from(["data", "event", "id", "retry", "", "foo", "dat", "data ", "DATA"])
+_VALUES = st.one_of(
+    st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=12),
+    st.sampled_from(["", " ", "  x", "12", " 7", "-3", "1_0", "x\0y", "[DONE]", '{"choices": []}', ":", " : "]))
+_LINE = st.one_of(
+    st.tuples(_NAMES, st.sampled_from([":", ": ", ":  ", ""]), _VALUES).map(lambda t: "".join(t)),
+    st.just(""), _VALUES.map(lambda v: ":" + v))
+_EOL = st.sampled_from(["\n", "\r", "\r\n"])
+
+
+@st.composite
+def _streams(draw) -> list[bytes]:
+    lines = draw(st.lists(st.tuples(_LINE, _EOL), max_size=25))
+    data = "".join(line + eol for line, eol in lines)
+    if draw(st.booleans()):
+        data += draw(_LINE)  # an unterminated last line
+    raw = bytearray(data.encode("utf-8"))
+    if raw and draw(st.integers(0, 9)) == 0:  # now and then a byte that is not UTF-8
+        raw.insert(draw(st.integers(0, len(raw))), draw(st.sampled_from([0xFF, 0xC3, 0x80])))
+    cuts = sorted(draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+    bounds = [0, *cuts, len(raw)]
+    return [bytes(raw[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_streams())
+def test_same_events_as_openai_for_any_stream_and_cuts(chunks):
+    assert _ours(chunks) == _theirs(chunks)
+
+
+def test_vllm_stream_with_crlf_cut_between_chunks_and_a_lasting_id():
+    body = (b'data: {"a": 1}\r\n\r\nid: 7\r\ndata: x\r\ndata:  y\r\n\r\n: keep-alive\r\n\r\n'
+            b"event: done\rdata: [DONE]\r\r")
+    whole = _ours([body])
+    assert whole == _theirs([body])
+    # the id lasts, so the blank line after the keep-alive comment dispatches an empty event
+    assert whole == ([(None, '{"a": 1}', None, None), (None, "x\n y", "7", None), (None, "", "7", None),
+                      ("done", "[DONE]", "7", None)], None)
+    for cut in range(len(body) + 1):  # every cut, the CRs and LFs of a CRLF apart included
+        assert _ours([body[:cut], body[cut:]]) == whole, cut
+    byte_by_byte = [body[i:i + 1] for i in range(len(body))]
+    assert _ours(byte_by_byte) == whole
+
+
+def test_bytes_not_utf8_raise_after_the_events_before_them():
+    chunks = [b"data: a\n\ndata: \xff\n\ndata: b\n\n"]
+    assert _ours(chunks) == _theirs(chunks) == ([(None, "a", None, None)], "UnicodeDecodeError")
