@@ -22,17 +22,23 @@ same agent under traceloop's OpenAI instrumentation alone.
    call, without the stub's) and its wall time. Reported: medians over ``--calls`` calls each.
    The exporter's encoding runs in its own thread; its extra cost per captured span is timed in 5.
 4. Overhead = median with − median without, in CPU time; as a share of the client-side time of a
-   call (the CPU time per call without lightspan). With ``--vllm-url``, also the wall time of a
-   real call to that vLLM (same prompt length, capped by its context, ``--completion-tokens``
-   tokens) and the overhead's share of it.
+   call (the CPU time per call without lightspan). With ``--vllm-url``, the same A/B against that
+   real vLLM (``--vllm-calls`` calls per client and mode; same prompt length, capped by its
+   context; ``--completion-tokens`` tokens, ``ignore_eos``): the baseline client gets vLLM's answer
+   without ids, the captured one the answer with them; the overhead's share of the client's CPU
+   per call and of the call's time.
 5. A breakdown (timeit, no server; best of 5): decoding — what the client decodes without
-   lightspan (``json``, vLLM's answer without ids) against what lightspan decodes for a captured
-   call (orjson, the answer with ids and logprobs) — and lightspan's own work on the decoded data
-   (reading ids and logprobs, dropping the logprobs the caller did not ask for, encoding, setting
-   the attributes), per non-streamed call and per stream.
+   lightspan (vLLM's answer without ids: ``json``; for a stream, openai's SSE decoder and ``json``
+   per event) against what lightspan decodes for a captured call (the answer with ids and
+   logprobs: orjson; for a stream, lightspan's SSE parser and orjson per event), and what the
+   client's own decoding would take on that larger answer — and lightspan's own work on the
+   decoded data (reading ids and logprobs, emptying what the caller did not ask for, encoding,
+   setting the attributes), per non-streamed call and per stream. A captured stream can cost less
+   than an uncaptured one: lightspan's SSE parser is faster than openai's; the breakdown gives
+   lightspan's gross cost beside the net overhead of 4.
 6. What lightspan costs calls it does not capture, which both clients of 2.-4. pay alike and so is
-   not in the overhead: its JSON hooks passing a response or a stream chunk through, and its span
-   processor's ``on_start`` per span.
+   not in the overhead: its JSON hook passing a response through, and its span processor's
+   ``on_start`` per span.
 
 Prints a summary and one JSON line (the numbers recorded in bench/README.md, "Capture overhead"),
 with the load average (1 min) before and after.
@@ -174,14 +180,51 @@ def _tracing():
     return provider, exporter
 
 
-def _call(client, prompt: str, max_tokens: int, stream: bool) -> None:
+def _call(client, prompt: str, max_tokens: int, stream: bool, model: str = MODEL, extra_body=None) -> None:
     messages = [{"role": "user", "content": prompt}]
+    kw = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.7}
+    if extra_body:
+        kw["extra_body"] = extra_body
     if stream:
-        for _ in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
-                                                temperature=0.7, stream=True):
+        for _ in client.chat.completions.create(**kw, stream=True):
             pass
     else:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.7)
+        client.chat.completions.create(**kw)
+
+
+def _ab(clients: dict, call, calls: int, provider, exporter, warmup: int = 20) -> dict:
+    """Medians of the calling thread's CPU time and of the wall time per call, ``without`` and
+    ``with`` lightspan, calls alternating (ABBA…); checks that every ``with`` call was captured."""
+    for client in clients.values():  # warm-up: connections, caches
+        for _ in range(warmup):
+            call(client)
+    provider.force_flush()
+    captured0, cpu, wall = exporter.captured, {k: [] for k in clients}, {k: [] for k in clients}
+    for i in range(calls):
+        for name in (("without", "with") if i % 2 else ("with", "without")):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            call(clients[name])
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.thread_time() - c0)
+    provider.force_flush()
+    assert exporter.captured - captured0 == calls, "not every call of the captured client was captured"
+    r = {k: {"cpu_ms": statistics.median(cpu[k]) * 1e3, "wall_ms": statistics.median(wall[k]) * 1e3} for k in clients}
+    r["overhead_cpu_ms"] = r["with"]["cpu_ms"] - r["without"]["cpu_ms"]
+    r["overhead_wall_ms"] = r["with"]["wall_ms"] - r["without"]["wall_ms"]
+    r["overhead_share_of_client_cpu"] = r["overhead_cpu_ms"] / r["without"]["cpu_ms"]
+    r["overhead_share_of_wall"] = r["overhead_cpu_ms"] / r["without"]["wall_ms"]
+    return r
+
+
+def _vllm_target(args) -> dict:
+    """The real server's base URL, served model, and a prompt as long as its context allows."""
+    import requests
+
+    model = requests.get(f"{args.vllm_url}/v1/models", timeout=10).json()["data"][0]
+    limit = model.get("max_model_len") or 1024
+    chars = min(args.prompt_chars, limit - args.completion_tokens - 64)  # byte-level tiny models: 1 char ≈ 1 token
+    prompt = ("The quick brown fox jumps over the lazy dog. " * (chars // 45 + 1))[:chars]
+    return {"url": f"{args.vllm_url}/v1", "model": model["id"], "prompt": prompt}
 
 
 def measure(args) -> dict:
@@ -192,43 +235,36 @@ def measure(args) -> dict:
     provider, exporter = _tracing()
     stub, url = _start_stub(args.prompt_tokens, args.completion_tokens, args.ids_for_all)
     prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
-    baseline = OpenAI(base_url=url, api_key="bench", max_retries=0)
-    baseline.chat.completions  # noqa: B018 (builds the resource now, with the post lightspan will not wrap)
+    vllm = _vllm_target(args) if args.vllm_url else None
+    baselines = {"stub": OpenAI(base_url=url, api_key="bench", max_retries=0)}
+    if vllm:
+        baselines["vllm"] = OpenAI(base_url=vllm["url"], api_key="bench", max_retries=0)
+    for client in baselines.values():
+        client.chat.completions  # noqa: B018 (builds the resource now, with the post lightspan will not wrap)
     LightspanInstrumentor().instrument(tracer_provider=provider)
-    clients = {"without": baseline, "with": OpenAI(base_url=url, api_key="bench", max_retries=0)}
     results = {}
     try:
+        clients = {"without": baselines["stub"], "with": OpenAI(base_url=url, api_key="bench", max_retries=0)}
         for stream in (False, True):
-            for client in clients.values():  # warm-up: connections, caches
-                for _ in range(20):
-                    _call(client, prompt, args.completion_tokens, stream)
-            provider.force_flush()
-            captured0, cpu, wall = exporter.captured, {k: [] for k in clients}, {k: [] for k in clients}
-            for i in range(args.calls):
-                for name in (("without", "with") if i % 2 else ("with", "without")):
-                    c0, t0 = time.thread_time(), time.perf_counter()
-                    _call(clients[name], prompt, args.completion_tokens, stream)
-                    wall[name].append(time.perf_counter() - t0)
-                    cpu[name].append(time.thread_time() - c0)
-            provider.force_flush()
-            assert exporter.captured - captured0 == args.calls, "not every call of the captured client was captured"
-            r = {k: {"cpu_ms": statistics.median(cpu[k]) * 1e3, "wall_ms": statistics.median(wall[k]) * 1e3}
-                 for k in clients}
-            r["overhead_cpu_ms"] = r["with"]["cpu_ms"] - r["without"]["cpu_ms"]
-            r["overhead_wall_ms"] = r["with"]["wall_ms"] - r["without"]["wall_ms"]
-            r["overhead_share_of_client_cpu"] = r["overhead_cpu_ms"] / r["without"]["cpu_ms"]
-            results["stream" if stream else "chat"] = r
+            results["stream" if stream else "chat"] = _ab(
+                clients, lambda c, stream=stream: _call(c, prompt, args.completion_tokens, stream),
+                args.calls, provider, exporter)
     finally:
         stub.kill()
         stub.wait()
     results["export_encoding_us"] = _encoding_cost(exporter)
     results["idle_us"] = idle_costs()
-    if args.vllm_url:
-        results["vllm"] = _real_call(args, provider)
-        for mode in ("chat", "stream"):
-            # the CPU overhead: on a core of its own the agent's latency grows by that much (the wall
-            # difference of a stub call is mostly the shared machine's noise)
-            results[mode]["overhead_share_of_real_call"] = results[mode]["overhead_cpu_ms"] / results["vllm"]["wall_ms"]
+    if vllm:
+        clients = {"without": baselines["vllm"], "with": OpenAI(base_url=vllm["url"], api_key="bench", max_retries=0)}
+        first = clients["with"].chat.completions.create(
+            model=vllm["model"], messages=[{"role": "user", "content": vllm["prompt"]}],
+            max_tokens=args.completion_tokens, extra_body={"ignore_eos": True})
+        results["vllm"] = {"prompt_tokens": first.usage.prompt_tokens, "completion_tokens": first.usage.completion_tokens}
+        for stream in (False, True):
+            results["vllm"]["stream" if stream else "chat"] = _ab(
+                clients, lambda c, stream=stream: _call(c, vllm["prompt"], args.completion_tokens, stream,
+                                                        vllm["model"], {"ignore_eos": True}),
+                args.vllm_calls, provider, exporter, warmup=3)
     return results
 
 
@@ -250,15 +286,20 @@ def _encoding_cost(exporter) -> dict:
 
 def breakdown(args) -> dict:
     """Where the overhead goes, in µs (best of 5, timeit; no server, no instrumentation), per
-    non-streamed call (``chat_*``) and per stream (``stream_*``): ``decode_without`` (``json`` on
-    the answer the client gets without lightspan), ``decode_with`` (lightspan's ``loads`` on the
-    answer with ids and logprobs; ``decode_with_json``: ``json`` on it), ``lightspan_code`` (reading them from the decoded JSON, dropping
-    the logprobs, encoding, setting the attributes on a span; per chunk for a stream)."""
+    non-streamed call (``chat_*``) and per stream (``stream_*``): ``decode_without`` (what the
+    client decodes without lightspan: ``json`` on the answer without ids; for a stream, openai's SSE
+    decoder over the body and ``json`` per event), ``decode_with`` (what lightspan decodes for a
+    captured call, the answer with ids and logprobs: ``capture.loads``; for a stream,
+    ``sse.SSEParser`` and ``loads`` per event), ``decode_with_client`` (the client's own decoding
+    of that larger answer, as without lightspan's), ``lightspan_code`` (reading the decoded JSON,
+    emptying what the caller did not ask for, encoding, setting the attributes on a span)."""
     import timeit
 
+    from openai._streaming import ServerSentEvent, SSEDecoder
     from opentelemetry.sdk.trace import TracerProvider
 
     from lightspan.tracing.capture import Capture, loads
+    from lightspan.tracing.sse import SSEParser
 
     bodies = _response_bodies(args.prompt_tokens, args.completion_tokens)
     tracer = TracerProvider().get_tracer("bench")
@@ -269,11 +310,21 @@ def breakdown(args) -> dict:
     def chunks(body: bytes) -> list[str]:
         return [line[6:].decode() for line in body.split(b"\n\n") if line.startswith(b"data: {")]
 
+    def client_decodes(body: bytes, stream: bool):
+        if not stream:
+            return json.loads(body)
+        return [sse.json() for sse in SSEDecoder().iter_bytes(iter([body])) if sse.data.startswith("{")]
+
+    def lightspan_decodes(body: bytes, stream: bool):
+        if not stream:
+            return loads(body)
+        events = SSEParser(lambda e, d, i, r: ServerSentEvent(event=e, data=d, id=i, retry=r)).feed(body)
+        return [loads(sse.data) for sse in events if sse.data.startswith("{")]
+
     out = {}
     for mode, stream, n in (("chat", False, 2000), ("stream", True, 100)):
         full, bare = bodies[(stream, True, True)], bodies[(stream, False, False)]
-        full_texts, bare_texts = (chunks(full), chunks(bare)) if stream else ([full], [bare])
-        decoded = [json.loads(t) for t in full_texts]
+        decoded = [json.loads(t) for t in (chunks(full) if stream else [full])]
         fresh = [json.dumps(d) for d in decoded]  # re-decoded in each run: the capture mutates them
 
         def own(fresh=fresh):
@@ -289,75 +340,43 @@ def breakdown(args) -> dict:
                 json.loads(text)
             tracer.start_span("x").end()
 
-        out[f"{mode}_decode_without_us"] = us(lambda texts=bare_texts: [json.loads(t) for t in texts], n)
-        out[f"{mode}_decode_with_us"] = us(lambda texts=full_texts: [loads(t) for t in texts], n)
-        out[f"{mode}_decode_with_json_us"] = us(lambda texts=full_texts: [json.loads(t) for t in texts], n)
+        out[f"{mode}_decode_without_us"] = us(lambda: client_decodes(bare, stream), n)
+        out[f"{mode}_decode_with_us"] = us(lambda: lightspan_decodes(full, stream), n)
+        out[f"{mode}_decode_with_client_us"] = us(lambda: client_decodes(full, stream), n)
         out[f"{mode}_lightspan_code_us"] = us(own, n) - us(baseline, n)
     return out
 
 
 def idle_costs() -> dict:
-    """µs that lightspan adds to calls it does not capture (both clients of the A/B pay them):
-    its JSON hooks passing one response body / one stream chunk through to the original decoder,
-    and its span processor's ``on_start`` for one span."""
+    """µs that lightspan adds to calls it does not capture (both clients of the A/B pay them): its
+    JSON hook passing one response body through to the original decoder, and its span processor's
+    ``on_start`` for one span. (Streams it does not capture are not touched at all.)"""
     import timeit
 
     import httpx2
-    from openai._streaming import ServerSentEvent
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
     from lightspan.tracing.instrumentor import _JSON_HOOKS, _NESTING
 
     hooks = {cls: (hook, original) for cls, hook, original in _JSON_HOOKS}
-    assert httpx2.Response in hooks and ServerSentEvent in hooks, "lightspan's hooks are not installed"
+    assert httpx2.Response in hooks, "lightspan's hook is not installed"
     response = httpx2.Response(200, content=b'{"id": "x", "choices": []}')
-    event = ServerSentEvent(data='{"id": "x", "choices": []}')
     tracer = TracerProvider().get_tracer("bench")
     parent, span = tracer.start_span("rollout"), tracer.start_span("x")
 
     def us(fn, n=100_000):
         return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
 
-    def hooked_minus_original(cls, call) -> float:
-        hook, original = hooks[cls]
-        try:
-            cls.json = original  # this thread alone decodes JSON now: no call of the A/B is running
-            plain = us(call)
-        finally:
-            cls.json = hook
-        return us(call) - plain
-
+    hook, original = hooks[httpx2.Response]
+    try:
+        httpx2.Response.json = original  # this thread alone decodes JSON now: no call of the A/B is running
+        plain = us(lambda: response.json())
+    finally:
+        httpx2.Response.json = hook
     with trace.use_span(parent):  # under a recording span, as in a rollout: the processor's longer path
         on_start = us(lambda: _NESTING.on_start(span)) - us(lambda: None)
-    return {"response_us": hooked_minus_original(httpx2.Response, lambda: response.json()),
-            "chunk_us": hooked_minus_original(ServerSentEvent, lambda: event.json()),
-            "span_on_start_us": on_start}
-
-
-def _real_call(args, provider) -> dict:
-    """Wall and client CPU time per call of a real vLLM call (lightspan on), same completion length."""
-    import requests
-    from openai import OpenAI
-
-    limit = requests.get(f"{args.vllm_url}/v1/models", timeout=10).json()["data"][0].get("max_model_len") or 1024
-    served = requests.get(f"{args.vllm_url}/v1/models", timeout=10).json()["data"][0]["id"]
-    chars = min(args.prompt_chars, limit - args.completion_tokens - 64)  # byte-level tiny models: 1 char ≈ 1 token
-    prompt = ("The quick brown fox jumps over the lazy dog. " * (chars // 45 + 1))[:chars]
-    client = OpenAI(base_url=f"{args.vllm_url}/v1", api_key="bench", max_retries=0)  # lightspan is on
-    messages = [{"role": "user", "content": prompt}]
-    kw = {"model": served, "messages": messages, "max_tokens": args.completion_tokens, "temperature": 0.7,
-          "extra_body": {"ignore_eos": True}}
-    first = client.chat.completions.create(**kw)
-    walls, cpus = [], []
-    for _ in range(args.vllm_calls):
-        c0, t0 = time.thread_time(), time.perf_counter()
-        client.chat.completions.create(**kw)
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.thread_time() - c0)
-    return {"wall_ms": statistics.median(walls) * 1e3, "client_cpu_ms": statistics.median(cpus) * 1e3,
-            "prompt_tokens": len(first.model_extra["prompt_token_ids"]),
-            "completion_tokens": len(first.choices[0].model_extra["token_ids"])}
+    return {"response_us": us(lambda: response.json()) - plain, "span_on_start_us": on_start}
 
 
 def main() -> None:
@@ -367,7 +386,7 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=4000, help="characters of the prompt the agent sends")
     p.add_argument("--completion-tokens", type=int, default=64)
     p.add_argument("--vllm-url", default="", help="also time a real call to this vLLM (e.g. http://127.0.0.1:8000)")
-    p.add_argument("--vllm-calls", type=int, default=10)
+    p.add_argument("--vllm-calls", type=int, default=100, help="real calls per client and mode (alternating)")
     p.add_argument("--ids-for-all", action="store_true",
                    help="the stub sends token ids to the baseline client too (as if it had asked): the overhead "
                         "left is lightspan's code and the logprobs it asks for, not the ids' bytes")
@@ -391,20 +410,24 @@ def main() -> None:
           f" without, {e['with_us']:.0f} µs ({e['with_bytes']} B) with lightspan's attributes")
     d = results["breakdown"]
     for mode, unit in (("chat", "call"), ("stream", "stream")):
-        print(f"{mode:6s} per {unit}: decoding {d[f'{mode}_decode_without_us']:.0f} µs without lightspan (json, "
-              f"no ids), {d[f'{mode}_decode_with_us']:.0f} µs with (orjson, ids and logprobs; json would take "
-              f"{d[f'{mode}_decode_with_json_us']:.0f} µs); lightspan's own code "
-              f"on the decoded data {d[f'{mode}_lightspan_code_us']:.0f} µs")
+        print(f"{mode:6s} per {unit}: the client decodes vLLM's answer without ids in "
+              f"{d[f'{mode}_decode_without_us']:.0f} µs; lightspan decodes the answer with ids and logprobs in "
+              f"{d[f'{mode}_decode_with_us']:.0f} µs (the client's own decoding would take "
+              f"{d[f'{mode}_decode_with_client_us']:.0f} µs) and reads and records it in "
+              f"{d[f'{mode}_lightspan_code_us']:.0f} µs")
     i = results["idle_us"]
     print(f"calls not captured (both clients pay it): {i['response_us']:.2f} µs per response, "
-          f"{i['chunk_us']:.2f} µs per stream chunk, {i['span_on_start_us']:.2f} µs per span started")
+          f"{i['span_on_start_us']:.2f} µs per span started")
     print(f"load average (1 min): {results['load_before']:.2f} before, {results['load_after']:.2f} after")
     if "vllm" in results:
         v = results["vllm"]
-        print(f"real vLLM call ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens): "
-              f"{v['wall_ms']:.1f} ms wall, {v['client_cpu_ms']:.2f} ms client CPU; overhead share: "
-              f"chat {results['chat']['overhead_share_of_real_call']:.3%}, "
-              f"stream {results['stream']['overhead_share_of_real_call']:.3%}")
+        print(f"real vLLM calls ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens):")
+        for mode in ("chat", "stream"):
+            r = v[mode]
+            print(f"  {mode:6s}  without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.1f} ms "
+                  f"wall  |  with: {r['with']['cpu_ms']:.3f} ms CPU, {r['with']['wall_ms']:.1f} ms wall  |  overhead "
+                  f"{r['overhead_cpu_ms']:+.3f} ms CPU ({r['overhead_share_of_client_cpu']:+.1%} of the client's CPU "
+                  f"per call, {r['overhead_share_of_wall']:+.2%} of the call's time)")
     print(json.dumps(results))
 
 
