@@ -130,7 +130,7 @@ class Capture:
 
     The prompt's ids are packed (``semconv.encode_ids``) as soon as they are read: a prompt is the
     largest thing captured, and packing it while the list just decoded is still in the CPU's
-    caches costs half what it costs at the end of a stream."""
+    caches costs a fraction of what it costs at the end of a stream (bench/README.md)."""
 
     def __init__(self, operation: str, *, caller_ids: bool = True, caller_logprobs: bool = True):
         self.operation = operation

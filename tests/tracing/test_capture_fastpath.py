@@ -317,13 +317,17 @@ def test_a_stream_of_a_client_with_its_own_sse_decoder_is_read_as_it_passes(ligh
     events are read into the capture, and the caller gets the chunks that decoder makes; streams
     cut into many small pieces (as a real server sends them) are captured by lightspan's own."""
     import httpx2
-    from openai import OpenAI
+    from openai import AsyncOpenAI, OpenAI
     from openai._streaming import SSEDecoder
 
     class OwnDecoder(SSEDecoder):
         pass
 
     class OwnClient(OpenAI):
+        def _make_sse_decoder(self):
+            return OwnDecoder()
+
+    class OwnAsyncClient(AsyncOpenAI):
         def _make_sse_decoder(self):
             return OwnDecoder()
 
@@ -339,11 +343,18 @@ def test_a_stream_of_a_client_with_its_own_sse_decoder_is_read_as_it_passes(ligh
                     http_client=httpx2.Client(transport=transport))
     chunks = list(own.chat.completions.create(**_ASK, stream=True))
     assert chunks[0].model_extra["prompt_token_ids"] == [1, 2, 3]  # its own decoding: nothing hidden
+    own_async = OwnAsyncClient(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
+                               http_client=httpx2.AsyncClient(transport=transport))
+
+    async def read_async():
+        return [c async for c in await own_async.chat.completions.create(**_ASK, stream=True)]
+
+    assert _dumps(asyncio.run(read_async())) == _dumps(chunks)
     small = OpenAI(base_url="http://127.0.0.1:9/small/v1", api_key="x", max_retries=0,
                    http_client=httpx2.Client(transport=transport))
     assert len(list(small.chat.completions.create(**_ASK, stream=True))) == len(chunks)
     spans = [s for s in lightspan.get_finished_spans() if s.attributes.get(semconv.CAPTURE_STATUS)]
-    assert [s.attributes[semconv.CAPTURE_STATUS] for s in spans] == ["ok", "ok"]
+    assert [s.attributes[semconv.CAPTURE_STATUS] for s in spans] == ["ok", "ok", "ok"]
     for span in spans:
         assert [semconv.decode_ids(b) for b in span.attributes[semconv.COMPLETION_TOKEN_IDS]] == [[0, 1, 2],
                                                                                                 [10, 11, 12]]
