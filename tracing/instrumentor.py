@@ -369,15 +369,16 @@ class _CapturedDecoder:
         cap, event = self.cap, _captured_event_type()
         return SSEParser(lambda name, data, id, retry: event(cap, name, data, id, retry))
 
-    def _read(self, sse) -> None:
-        """An event of the client's own decoder: read into the capture (the client decodes its own copy)."""
+    def _pass(self, sse) -> None:
+        """Before an event goes out: the capture is recorded as ``[DONE]`` goes; an event of the
+        client's own decoder is read into the capture (the client decodes its own copy)."""
         if sse.data.startswith("[DONE]"):
             self._end(True)
-            return
-        try:
-            _read_captured(self.cap, sse.data)
-        except Exception:
-            _unreadable(self.cap)
+        elif not self.own:
+            try:
+                _read_captured(self.cap, sse.data)
+            except Exception:
+                _unreadable(self.cap)
 
     def _end(self, complete: bool) -> None:
         if self.ended:
@@ -394,17 +395,14 @@ class _CapturedDecoder:
                 parser = self._parser()
                 for chunk in iterator:
                     for sse in parser.feed(chunk):
-                        if sse.data.startswith("[DONE]"):
-                            self._end(True)
+                        self._pass(sse)
                         yield sse
-                    if parser.error is not None:
-                        raise parser.error
+                    parser.check()
                 parser.finish()
-                if parser.error is not None:
-                    raise parser.error
+                parser.check()
             else:
                 for sse in self.inner.iter_bytes(iterator):
-                    self._read(sse)
+                    self._pass(sse)
                     yield sse
             self._end(True)
         finally:
@@ -416,17 +414,14 @@ class _CapturedDecoder:
                 parser = self._parser()
                 async for chunk in iterator:
                     for sse in parser.feed(chunk):
-                        if sse.data.startswith("[DONE]"):
-                            self._end(True)
+                        self._pass(sse)
                         yield sse
-                    if parser.error is not None:
-                        raise parser.error
+                    parser.check()
                 parser.finish()
-                if parser.error is not None:
-                    raise parser.error
+                parser.check()
             else:
                 async for sse in self.inner.aiter_bytes(iterator):
-                    self._read(sse)
+                    self._pass(sse)
                     yield sse
             self._end(True)
         finally:

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 class SSEParser:
     """Incremental: :meth:`feed` each chunk of bytes (it returns the events completed, built by
-    ``make_event(event, data, id, retry)``), :meth:`finish` at the end. After either, raise
-    :attr:`error` once the events returned have been handed on."""
+    ``make_event(event, data, id, retry)``), :meth:`finish` at the end. After either, call
+    :meth:`check` once the events returned have been handed on: it raises what the bytes held."""
 
     def __init__(self, make_event: Callable):
         self._make = make_event
@@ -41,7 +41,7 @@ class SSEParser:
         self._data: list[str] = []
         self._id: str | None = None
         self._retry: int | None = None
-        self.error: UnicodeDecodeError | None = None  # raise it once the events returned are used
+        self.error: UnicodeDecodeError | None = None  # for check(), once the events returned are used
 
     def feed(self, chunk: bytes) -> list:
         if self._skip_lf and chunk:
@@ -61,6 +61,11 @@ class SSEParser:
         rest = chunk[cut + 1:]
         self._pending = [rest] if rest else []
         return self._lines(chunk[:cut])
+
+    def check(self) -> None:
+        """Raise the error of bytes that were not UTF-8, if a chunk held any."""
+        if self.error is not None:
+            raise self.error
 
     def finish(self) -> None:
         """The end of the stream: an unterminated last line dispatches nothing. It is still

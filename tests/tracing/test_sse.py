@@ -26,12 +26,15 @@ def _theirs(chunks: list[bytes]) -> tuple[list, str | None]:
 def _ours(chunks: list[bytes]) -> tuple[list, str | None]:
     parser = SSEParser(lambda event, data, id, retry: ServerSentEvent(event=event, data=data, id=id, retry=retry))
     out = []
-    for chunk in chunks:
-        out += [_key(e) for e in parser.feed(chunk)]
-        if parser.error is not None:
-            return out, type(parser.error).__name__
-    parser.finish()
-    return out, None if parser.error is None else type(parser.error).__name__
+    try:
+        for chunk in chunks:
+            out += [_key(e) for e in parser.feed(chunk)]
+            parser.check()
+        parser.finish()
+        parser.check()
+    except UnicodeDecodeError:
+        return out, "UnicodeDecodeError"
+    return out, None
 
 
 _NAMES = st.sampled_from(["data", "event", "id", "retry", "", "foo", "dat", "data ", "DATA"])
