@@ -40,11 +40,6 @@ RUN pip install . && lightspan --help > /dev/null
 # jobs without a schedule of their own
 COPY examples/ examples/
 COPY deploy/compose/every.sh /usr/local/bin/every
-# the rollout Job template, where `python -m lightspan.tracing.k8s` looks by default (the wheel
-# does not carry it: it lives outside the package folders)
-COPY deploy/k8s/rollout-job.yaml deploy/k8s/rollout-job.yaml
-RUN install -D -m 0644 deploy/k8s/rollout-job.yaml \
-        "$(python -c 'from lightspan.tracing import k8s; print(k8s.DEFAULT_TEMPLATE)')"
 
 # not root: the data directory and the model directory belong to an unprivileged user (a new
 # named volume mounted there takes this ownership)

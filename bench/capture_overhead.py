@@ -259,7 +259,8 @@ def measure(args) -> dict:
         first = clients["with"].chat.completions.create(
             model=vllm["model"], messages=[{"role": "user", "content": vllm["prompt"]}],
             max_tokens=args.completion_tokens, extra_body={"ignore_eos": True})
-        results["vllm"] = {"prompt_tokens": first.usage.prompt_tokens, "completion_tokens": first.usage.completion_tokens}
+        usage = first.usage
+        results["vllm"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
         for stream in (False, True):
             results["vllm"]["stream" if stream else "chat"] = _ab(
                 clients, lambda c, stream=stream: _call(c, vllm["prompt"], args.completion_tokens, stream,

@@ -898,10 +898,10 @@ def test_gpu_overlay_schedules_gpu_pods_on_gpu_nodes_and_keeps_the_base():
 
 
 def test_the_rollout_job_template_renders_against_the_stack(tmp_path):
-    """deploy/k8s/rollout-job.yaml is a template for lightspan.tracing.k8s, not a kustomize resource."""
+    """The Job template ships in the package (tracing/rollout-job.yaml); it is not a kustomize resource."""
     for kustomization in K8S.rglob("kustomization.yaml"):
         assert not any("rollout-job" in r for r in yaml.safe_load(kustomization.read_text())["resources"])
-    assert k8s.DEFAULT_TEMPLATE == K8S / "rollout-job.yaml"
+    assert k8s.DEFAULT_TEMPLATE == ROOT / "tracing" / "rollout-job.yaml"
     rendered = kustomize(K8S)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text((ROOT / "deploy" / "compose" / "math-tasks.jsonl").read_text())

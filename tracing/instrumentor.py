@@ -5,8 +5,9 @@ It wraps the ``openai`` client's ``post`` (sync and async), which runs inside wh
 span the OpenAI instrumentation opened (traceloop's or OTel's), so the attributes land on it:
 
 1. requests bound for an RL endpoint (``LIGHTSPAN_CAPTURE_URLS``, comma-separated base URLs;
-   loopback addresses when unset; ``none`` when a gateway captures instead) ask vLLM for ``return_token_ids`` and sampled-token
-   ``logprobs``; hosted APIs, which reject unknown fields, are never touched;
+   loopback addresses when unset; ``none`` when a gateway captures instead) ask vLLM for
+   ``return_token_ids`` and sampled-token ``logprobs``; hosted APIs, which reject unknown fields,
+   are never touched;
 2. the response's prompt ids, completion ids (one list per choice, ``n > 1`` included) and
    logprobs are recorded as little-endian bytes (DESIGN §3.1), with the serving policy version
    (``LIGHTSPAN_MODEL_VERSION``) and ``lightspan.capture.status`` (``ok`` or why not);

@@ -1,4 +1,5 @@
-"""One Kubernetes Job per rollout: ``deploy/k8s/rollout-job.yaml`` rendered for each task sample.
+"""One Kubernetes Job per rollout: ``rollout-job.yaml`` (beside this module, in the package)
+rendered for each task sample.
 
 The Jobs carry the environment ``lightspan rollout`` gives a local agent process
 (:func:`lightspan.tracing.runner.rollout_env`), so spans are grouped the same way. Usage::
@@ -21,7 +22,7 @@ from pathlib import Path
 from lightspan.config import ConfigError, add_arguments, cli_values, resolve
 from lightspan.tracing.runner import RolloutConfig, load_tasks, policy_version, rollout_env
 
-DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "rollout-job.yaml"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "rollout-job.yaml"  # package data: in the wheel too
 
 
 def job_name(rollout_id: str) -> str:
@@ -61,7 +62,8 @@ def render_jobs(cfg: RolloutConfig, command: list[str], *, image: str, namespace
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
     path = Path(template_path)
     if not path.is_file():
-        raise ConfigError("rollout", "template", f"{path} not found", "pass --template deploy/k8s/rollout-job.yaml")
+        raise ConfigError("rollout", "template", f"{path} not found",
+                          f"pass --template with a Job template (lightspan's own: {DEFAULT_TEMPLATE})")
     template, version = path.read_text(), policy_version(cfg.data_dir)
     return [render_job(template, cfg, task, image=image, command=command, version=version, namespace=namespace)
             for task in load_tasks(cfg.tasks) for _ in range(cfg.samples)]
