@@ -118,8 +118,8 @@ def test_chat_span_joins_the_callers_trace_with_token_ids(gateway, spans):
 
 
 def test_unasked_fields_are_stripped_and_rollout_comes_from_the_path(gateway, spans):
-    resp = requests.post(f"{gateway.url_}/rollouts/r-path/tasks/t%2F2/v1/chat/completions", json=CHAT,
-                         headers={"X-Lightspan-Task-Id": "t-header"}, timeout=60)
+    resp = requests.post(f"{gateway.url_}/rollouts/r-path/tasks/t%2F2/v1/chat/completions",
+                         json={**CHAT, "temperature": 0.5}, headers={"X-Lightspan-Task-Id": "t-header"}, timeout=60)
     body = resp.json()
     assert body["prompt_token_ids"] is None and body["choices"][0]["token_ids"] is None
     assert body["choices"][0]["logprobs"] is None  # as vLLM answers a request without them
@@ -129,6 +129,8 @@ def test_unasked_fields_are_stripped_and_rollout_comes_from_the_path(gateway, sp
     assert span.attributes[semconv.TASK_ID] == "t-header"  # a header wins over the path
     prompt, (completion,) = _ids(span)
     assert prompt and len(completion) == body["usage"]["completion_tokens"]
+    # vLLM's logprobs are those of the tempered distribution: the trainer reads the temperature here
+    assert span.attributes[semconv.GEN_AI_REQUEST_TEMPERATURE] == 0.5
 
 
 def _sse(resp):
