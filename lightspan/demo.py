@@ -293,7 +293,8 @@ def _report(cfg, before, after, final, stages, trainer, summary, total) -> None:
     for name, seconds in stages.seconds.items():
         out.write(f"  {name:<24}{seconds:8.1f}\n")
     out.write(f"  {'total':<24}{total:8.1f}\n")
+    diff = trainer["max_logprob_diff"]
     out.write(f"trainer: {trainer['steps']} steps, {trainer['step_seconds']:.1f} s computing, "
               f"{trainer['sync_seconds']:.1f} s syncing weights into vLLM; max |logprob diff| vLLM vs trainer "
-              f"after sync: {trainer['max_logprob_diff']}\n")
+              f"after sync: {'not checked' if diff is None else format(diff, '.2g')}\n")
     out.write(f"lightspan sql \"{' '.join(SUMMARY_SQL.split())}\"\n{summary}\n")
