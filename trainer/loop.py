@@ -50,12 +50,14 @@ import random
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pyarrow as pa
 import torch
@@ -735,10 +737,26 @@ def _fsdp_on_cpu(accelerator) -> None:
 
 
 def run(config: TrainerConfig) -> int:
-    """``lightspan train``: once, continuously, or every ``config.every``; returns the exit code."""
+    """``lightspan train``: once, continuously, or every ``config.every``; returns the exit code
+    (a process of a multi-process run exits with it instead: :func:`_leave`)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     trainer = Trainer(config)
+    if not _distributed():
+        return _run(trainer, config)
+    code = 1
+    try:
+        code = _run(trainer, config)
+    except ConfigError as e:  # as ``lightspan`` answers a bad config: exit 2, naming the field
+        log.error("%s", e)
+        code = 2
+    except BaseException:
+        log.exception("the trainer failed on this rank")
+    _leave(code)
+
+
+def _run(trainer: Trainer, config: TrainerConfig) -> int:
+    """Refuse what is not supported, load the checkpoint or the model, then train."""
     if trainer.accelerator.distributed_type.value == "DEEPSPEED":
         # save() writes rank 0's model and optimizer: ZeRO's partitions are gathered only for FSDP
         log.error("DEEPSPEED is not supported yet: checkpoints do not gather ZeRO-partitioned weights and "
@@ -754,6 +772,36 @@ def run(config: TrainerConfig) -> int:
         log.info("data parallel over %d processes (%s)", trainer.accelerator.num_processes,
                  trainer.accelerator.distributed_type.value)
     trainer.load_or_init()
+    return _train(trainer, config)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _leave(code: int) -> NoReturn:
+    """End a process of a multi-process run here, without tearing torch.distributed down.
+
+    Two teardowns have failed after runs that succeeded. A process group left for interpreter exit
+    can abort the process ("terminate called without an active exception"). Destroying the group
+    or the DDP reducer that holds it can deadlock: ``ProcessGroupGloo``'s destructor joins its
+    worker threads while holding the GIL, and a worker releasing a tensor waits for the GIL (seen
+    in CI: the rank hung until the launcher's timeout). Everything the run writes (checkpoints,
+    Parquet, logs) is on disk by now, and after a run that succeeded every rank has passed the
+    final barrier. So the streams are flushed and the process exits with ``code``; after a
+    failure the launcher stops the other ranks, as it does for any worker that exits non-zero.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _train(trainer: Trainer, config: TrainerConfig) -> int:
+    """The run itself: publish the starting policy, then train once, continuously or on a schedule."""
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     server = None
@@ -803,11 +851,6 @@ def run(config: TrainerConfig) -> int:
         _restore_handlers(previous)
         if server is not None:
             server.stop()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # before the interpreter exits: a process group (FSDP's device mesh over gloo) left for
-            # exit-time destruction can abort the process ("terminate called without an active
-            # exception") after a run that succeeded
-            torch.distributed.destroy_process_group()
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict:
