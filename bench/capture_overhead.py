@@ -380,6 +380,14 @@ def idle_costs() -> dict:
     return {"response_us": us(lambda: response.json()) - plain, "span_on_start_us": on_start}
 
 
+def _ab_line(r: dict) -> str:
+    """One A/B result of :func:`_ab`, as printed."""
+    return (f"without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.3f} ms wall  |  "
+            f"with: {r['with']['cpu_ms']:.3f} ms CPU, {r['with']['wall_ms']:.3f} ms wall  |  overhead "
+            f"{r['overhead_cpu_ms']:+.3f} ms CPU ({r['overhead_share_of_client_cpu']:+.1%} of the client's CPU per "
+            f"call, {r['overhead_share_of_wall']:+.2%} of the call's time), {r['overhead_wall_ms']:+.3f} ms wall")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls per client and mode (alternating)")
@@ -401,11 +409,7 @@ def main() -> None:
     results["breakdown"] = breakdown(args)
     results["load_after"] = os.getloadavg()[0]
     for mode in ("chat", "stream"):
-        r = results[mode]
-        print(f"{mode:6s}  without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.3f} ms wall"
-              f"  |  with: {r['with']['cpu_ms']:.3f} ms CPU, {r['with']['wall_ms']:.3f} ms wall"
-              f"  |  overhead {r['overhead_cpu_ms']:+.3f} ms CPU ({r['overhead_share_of_client_cpu']:+.1%} of the"
-              f" client's CPU per call), {r['overhead_wall_ms']:+.3f} ms wall")
+        print(f"{mode:6s}  {_ab_line(results[mode])}")
     e = results["export_encoding_us"]
     print(f"OTLP encoding of the call's span in the exporter thread: {e['without_us']:.0f} µs ({e['without_bytes']} B)"
           f" without, {e['with_us']:.0f} µs ({e['with_bytes']} B) with lightspan's attributes")
@@ -424,11 +428,7 @@ def main() -> None:
         v = results["vllm"]
         print(f"real vLLM calls ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens):")
         for mode in ("chat", "stream"):
-            r = v[mode]
-            print(f"  {mode:6s}  without lightspan: {r['without']['cpu_ms']:.3f} ms CPU, {r['without']['wall_ms']:.1f} ms "
-                  f"wall  |  with: {r['with']['cpu_ms']:.3f} ms CPU, {r['with']['wall_ms']:.1f} ms wall  |  overhead "
-                  f"{r['overhead_cpu_ms']:+.3f} ms CPU ({r['overhead_share_of_client_cpu']:+.1%} of the client's CPU "
-                  f"per call, {r['overhead_share_of_wall']:+.2%} of the call's time)")
+            print(f"  {mode:6s}  {_ab_line(v[mode])}")
     print(json.dumps(results))
 
 
