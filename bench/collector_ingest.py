@@ -184,7 +184,7 @@ def _baseline(conn) -> None:
 
 
 def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.collector.config import CollectorConfig
     from lightspan.collector.server import Collector
     from lightspan.collector.wal import WAL

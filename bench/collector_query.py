@@ -39,7 +39,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightspan.collector import store  # noqa: E402
+from lightspan import store  # noqa: E402
 
 QUERIES = {
     "spans per rollout": "SELECT rollout_id, count(*) AS n, sum(output_tokens) AS tokens FROM {spans} GROUP BY 1",

@@ -221,7 +221,7 @@ def _failed(out: dict, kind: str, t0: float, window) -> None:
 # --- lightspan, in a child process ----------------------------------------------------------------
 
 def _lightspan(conn, data_dir: str) -> None:
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.collector.config import CollectorConfig
     from lightspan.collector.server import Collector
 

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lightspan.collector import store
+from lightspan import store
 
 T0 = 1_800_000_000 * 10**9
 MS = 10**6

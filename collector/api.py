@@ -34,7 +34,7 @@ from pathlib import Path
 import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.tracing import semconv as sc
 
 REWARD_ID = "lightspan.reward.id"       # the idempotency key of a posted reward
@@ -129,7 +129,7 @@ def sql_connection(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
     root = Path(data_dir).resolve()
     con = store.connect(root)          # the views read the data directory's Parquet files...
     try:
-        allowed = ", ".join(_quote(str(root / table) + "/") for table in store.TABLES)
+        allowed = ", ".join(store.quote(str(root / table) + "/") for table in store.TABLES)
         con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")            # a query cannot SET it back
@@ -233,6 +233,3 @@ def jsonable(value):
         return str(value)
     return str(value)
 
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"

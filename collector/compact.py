@@ -35,7 +35,7 @@ import time
 
 import duckdb
 
-from lightspan.collector import store
+from lightspan import store
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +75,16 @@ def compact_partition(table: str, partition: Path, files: list[Path]) -> Path:
     tmp = partition / f".{final.name}.tmp"
     note = partition / (final.name[: -len(".parquet")] + store.SUPERSEDES_SUFFIX)
     note_tmp = partition / f".{note.name}.tmp"
-    listing = ", ".join(_quote(str(f)) for f in files)
+    listing = ", ".join(store.quote(str(f)) for f in files)
     con = duckdb.connect()
     try:
         con.execute("SET threads = 1")                     # leave the cores to the receivers
-        con.execute(f"SET temp_directory = {_quote(str(partition.parent.parent / '.tmp'))}")
+        con.execute(f"SET temp_directory = {store.quote(str(partition.parent.parent / '.tmp'))}")
         con.execute(f"""
             COPY (SELECT * FROM read_parquet([{listing}], hive_partitioning=false, union_by_name=true)
                   QUALIFY {store.dedup_clause(table)}
                   ORDER BY {_SORT[table]})
-            TO {_quote(str(tmp))} (FORMAT parquet, COMPRESSION zstd)""")
+            TO {store.quote(str(tmp))} (FORMAT parquet, COMPRESSION zstd)""")
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         with open(note_tmp, "w") as fh:
@@ -181,7 +181,4 @@ def expire_partitions(root: Path, table: str, retention_days: int, now: datetime
         removed.append(partition.name)
     return removed
 
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 

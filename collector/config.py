@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lightspan.collector.jsonlog import FORMATS
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "collector"
 MiB = 1 << 20
@@ -21,9 +22,9 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class CollectorConfig:
     data_dir: str = option(
-        "./lightspan-data",
+        DEFAULT_DATA_DIR,
         "Data directory: spans/ (Parquet, hive-partitioned by date) and wal/ live here.",
-        env="LIGHTSPAN_DATA_DIR")
+        env=DATA_DIR_ENV)
     host: str = option(
         "127.0.0.1",
         "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network.")

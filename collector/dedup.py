@@ -33,6 +33,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lightspan import store
+
 log = logging.getLogger(__name__)
 
 KEY_COLUMNS = {"spans": ("trace_id", "span_id"), "logs": ("record_id",)}
@@ -104,7 +106,7 @@ def recent_files(root: Path, table_name: str, since_epoch_s: float) -> list[Path
 
 
 def _listing(files: list[Path]) -> str:
-    return ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+    return ", ".join(store.quote(str(f)) for f in files)
 
 
 def load_keys(table_name: str, files: list[Path], *, received_since_ns: int = 0, limit: int | None = None) -> list:

@@ -1,5 +1,5 @@
-"""OTLP requests → rows of :data:`~lightspan.collector.store.SPAN_SCHEMA` and
-:data:`~lightspan.collector.store.LOG_SCHEMA`. Pure functions.
+"""OTLP requests → rows of :data:`~lightspan.store.SPAN_SCHEMA` and
+:data:`~lightspan.store.LOG_SCHEMA`. Pure functions.
 
 :func:`flatten` turns one ``ExportTraceServiceRequest`` into an Arrow table, one row per span;
 :func:`flatten_logs` does the same for an ``ExportLogsServiceRequest`` (GenAI events sent
@@ -32,7 +32,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from lightspan.collector.store import LOG_SCHEMA, SPAN_SCHEMA
+from lightspan.store import LOG_SCHEMA, SPAN_SCHEMA
 from lightspan.tracing import semconv as sc
 
 # traceloop's instrumentation names the operation here when gen_ai.operation.name is absent

@@ -42,7 +42,8 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan.collector import compact as compaction
-from lightspan.collector import dedup, httpd, jsonlog, store
+from lightspan import store
+from lightspan.collector import dedup, httpd, jsonlog
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics

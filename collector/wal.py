@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from lightspan.collector.store import fsync_dir
+from lightspan.store import fsync_dir
 
 log = logging.getLogger(__name__)
 

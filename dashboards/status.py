@@ -15,8 +15,9 @@ from pathlib import Path
 
 import requests
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "status"
 _DIRS = ("spans", "logs", "wal", "transitions", "train_steps", "checkpoints", "rollout-logs")
@@ -24,7 +25,7 @@ _DIRS = ("spans", "logs", "wal", "transitions", "train_steps", "checkpoints", "r
 
 @dataclass(frozen=True)
 class StatusConfig:
-    data_dir: str = option("./lightspan-data", "Data directory to summarise.", env="LIGHTSPAN_DATA_DIR")
+    data_dir: str = option(DEFAULT_DATA_DIR, "Data directory to summarise.", env=DATA_DIR_ENV)
     vllm_url: str = option("", "Base URL of the vLLM server to check (/health, /v1/models); empty = the "
                                "trainer's configured LIGHTSPAN_TRAINER_VLLM_URL if set, else no check.",
                            env="LIGHTSPAN_TRAINER_VLLM_URL")
@@ -78,10 +79,8 @@ def data_summary(root: Path) -> dict:
         return spans, llm_calls, splits, transitions, built, steps, runs, last, latest
 
     spans, llm_calls, splits, transitions, builds, steps, runs, last, latest = store.retry_vanished(read)
-    try:
-        policy = json.loads((root / "policy.json").read_text())
-    except (OSError, ValueError):
-        policy = None
+    published = store.policy.read(root)
+    policy = None if published is None else {"version": published.version, "path": published.path}
     run = None
     if latest is not None:
         names = ("run_id", "steps", "step", "policy_version", "time_unix_nano", "reward_mean", "loss", "kl",

@@ -1,6 +1,6 @@
 """The web UI's queries: parameters in, JSON-able dicts out, through the store's views only.
 
-Every function here reads the DuckDB views of :mod:`lightspan.collector.store` (``spans``,
+Every function here reads the DuckDB views of :mod:`lightspan.store` (``spans``,
 ``llm_calls``, ``rollouts``, ``rewards``, ``transitions``, ``train_steps``) — the same ones
 ``lightspan sql`` and ``/v1/sql`` use — on a connection the caller opens. Values from the
 request are always bound as parameters; only fixed SQL fragments are put together. Bad
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 import duckdb
 import numpy as np
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.lightningrl.credit import rewards_per_call
 from lightspan.trainer.config import parse_duration
 

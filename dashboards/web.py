@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, unquote
 import duckdb
 
 from lightspan.collector import api as collector_api
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError, option, resolve
 from lightspan.dashboards import ui
 
@@ -113,10 +113,10 @@ def decoder(data_dir: Path, config: DashboardConfig):
     tokenizer, or None when there is none (the view then shows ids)."""
     source = Path(config.tokenizer) if config.tokenizer else None
     if source is None:
-        try:
-            source = Path(json.loads((data_dir / "policy.json").read_text())["path"])
-        except (OSError, ValueError, KeyError, TypeError):
+        published = store.policy.read(data_dir)
+        if published is None:
             return None
+        source = Path(published.path)
     file = _tokenizer_file(source)
     if file is None:
         return None

@@ -102,7 +102,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.progress import progress
 from lightspan.tracing import semconv
 
@@ -425,7 +425,7 @@ def _read(con, config: TransitionsConfig, since: Watermark, now: int, files: lis
     found = _Found(newest=since.received_unix_nano, pending=list(since.pending))
     if not files:
         return found
-    source = (f"read_parquet({_sql_list(files)}, filename=true, file_row_number=true, "
+    source = (f"read_parquet({store.quote_list(files)}, filename=true, file_row_number=true, "
               f"union_by_name=true, hive_partitioning=false)")
     source = f"({store.with_all_columns(con, 'spans', f'SELECT * FROM {source}')})"
     con.register("_lrl_files", pa.table({"filename": files, "fidx": np.arange(len(files))}))
@@ -628,9 +628,6 @@ def _hpos(calls: pa.Table, rows: np.ndarray) -> np.ndarray:
     """Where the token lists of the calls ``rows`` are in the build's :class:`.tokens.Tokens`."""
     return calls.column("hpos").to_numpy(zero_copy_only=False)[rows].astype(np.int64)
 
-
-def _sql_list(paths: list[str]) -> str:
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
 def run(config: TransitionsConfig, *, now_unix_nano: int | None = None) -> dict:

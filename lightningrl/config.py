@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 from .advantages import ESTIMATORS
 from .credit import POLICIES
@@ -38,8 +39,8 @@ def parse_time(value: str) -> int | None:
 @dataclass(frozen=True)
 class TransitionsConfig:
     data_dir: str = option(
-        "./lightspan-data", "Data directory holding spans/ and transitions/ (Parquet).",
-        env="LIGHTSPAN_DATA_DIR")
+        DEFAULT_DATA_DIR, "Data directory holding spans/ and transitions/ (Parquet).",
+        env=DATA_DIR_ENV)
     credit: str = option(
         "identical",
         "Credit assignment policy. 'identical': LightningRL (Luo et al. 2025, arXiv 2508.03680), "

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lightspan.collector import store
+from lightspan import store
 
 COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
 _SCHEMA = pa.schema([store.SPAN_SCHEMA.field(c) for c in COLUMNS])

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import to_dict
 
 STATE_FILE = Path("lightningrl") / "state.json"

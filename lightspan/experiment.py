@@ -48,7 +48,7 @@ from lightspan.demo import (
     _wait_version,
     _write_jsonl,
 )
-from lightspan.tracing.runner import load_tasks
+from lightspan.rollout.runner import load_tasks
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import yaml
 
 from lightspan import cli
 from lightspan.config import ConfigError, env_name, resolve
-from lightspan.tracing import k8s
-from lightspan.tracing.runner import RolloutConfig, load_tasks
+from lightspan.rollout import k8s
+from lightspan.rollout.runner import RolloutConfig, load_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -503,7 +503,7 @@ def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_dashboard
 def test_the_collector_as_configured_for_compose_accepts_a_gzip_otlp_export(stack, tmp_path):
     """The OpenTelemetry Collector's OTLP exporter compresses with gzip by default: a real
     collector, configured like the compose service (on loopback and free ports here), takes it."""
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.collector.server import Collector
     from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -547,7 +547,7 @@ def test_several_collectors_parquet_reads_as_one_deduplicated_store(tmp_path):
     """The scale-out layout of docs/deployment.md: each collector writes its own data directory;
     their spans/ trees, copied under spans/collector=<n>/ of one directory (or bucket prefix),
     read as one store. A batch retried to another collector is stored twice and read once."""
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.collector.server import Collector
     from lightspan.lightningrl.builder import run as build
     from lightspan.lightningrl.config import TransitionsConfig
@@ -898,10 +898,10 @@ def test_gpu_overlay_schedules_gpu_pods_on_gpu_nodes_and_keeps_the_base():
 
 
 def test_the_rollout_job_template_renders_against_the_stack(tmp_path):
-    """The Job template ships in the package (tracing/rollout-job.yaml); it is not a kustomize resource."""
+    """The Job template ships in the package (rollout/rollout-job.yaml); it is not a kustomize resource."""
     for kustomization in K8S.rglob("kustomization.yaml"):
         assert not any("rollout-job" in r for r in yaml.safe_load(kustomization.read_text())["resources"])
-    assert k8s.DEFAULT_TEMPLATE == ROOT / "tracing" / "rollout-job.yaml"
+    assert k8s.DEFAULT_TEMPLATE == ROOT / "rollout" / "rollout-job.yaml"
     rendered = kustomize(K8S)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text((ROOT / "deploy" / "compose" / "math-tasks.jsonl").read_text())

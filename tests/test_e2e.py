@@ -51,7 +51,7 @@ def token_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
 
 
 def test_walking_skeleton(collector, vllm_server, tiny_model, tmp_path):
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.trainer.sync import ReloadSync, prompt_logprobs
 
     data, ports = collector

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "trainer"
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
@@ -33,8 +34,8 @@ def parse_duration(text: str) -> float:
 @dataclass(frozen=True)
 class TrainerConfig:
     # where things are
-    data_dir: str = option("./lightspan-data", "Data directory: transitions are read from it, "
-                           "train_steps and policy.json are written to it.", env="LIGHTSPAN_DATA_DIR")
+    data_dir: str = option(DEFAULT_DATA_DIR, "Data directory: transitions are read from it, "
+                           "train_steps and policy.json are written to it.", env=DATA_DIR_ENV)
     model: str = option("", "Initial model directory (safetensors + tokenizer): policy version 0.")
     output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints.")
     # weight sync

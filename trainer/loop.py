@@ -62,7 +62,7 @@ from typing import NoReturn
 import pyarrow as pa
 import torch
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError, to_dict
 from lightspan.progress import progress
 from lightspan.trainer.config import TrainerConfig, parse_duration
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "trainer_config.json"       # config.json is the model's: vLLM reads it
-POLICY_FILE = "policy.json"
 RESUME_STATE = ("version", "cursor", "run_id", "optimizer", "rng")
 VERIFY_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
 _CHECKPOINT = re.compile(r"v(\d{6,})")
@@ -298,9 +297,9 @@ class Trainer:
 
     def _served_dir(self) -> Path | None:
         """What vLLM most likely serves: the published checkpoint, else (at version 0) the model."""
-        published = read_policy(self.data_dir)
-        if published is not None and Path(published.get("path", "")).is_dir():
-            return Path(published["path"])
+        published = store.policy.read(self.data_dir)
+        if published is not None and Path(published.path).is_dir():
+            return Path(published.path)
         return Path(self.config.model) if self.version == 0 else None
 
     def _resume_state(self, version: int, optimizer: dict | None = None) -> dict:
@@ -605,7 +604,7 @@ class Trainer:
             diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
-        write_policy(self.data_dir, self.version, checkpoint)
+        store.policy.write(self.data_dir, self.version, checkpoint)
         self.prune()
         if metrics is None:
             self.metrics.set_version(self.version)
@@ -623,20 +622,20 @@ class Trainer:
         """After a crash between save and publish, publish the checkpoint the trainer resumed from;
         with sync 'lora', publish the current adapter on every start. ``expected``: as for publish;
         ``gathered``: as for save (under FSDP, for the version-0 adapter)."""
-        published = read_policy(self.data_dir)
+        published = store.policy.read(self.data_dir)
         self.metrics.set_version(self.version)
         if self.config.sync == "lora":
             # vLLM forgets adapters loaded at run time when it restarts, and starts with none under
             # the stable name: load the current one on every start (version 0: B = 0, the base)
             self.publish(self.save(0, gathered) if self._saves_at_start() else self.model_source, expected=expected)
             return
-        if published is not None and published.get("version") == self.version:
+        if published is not None and published.version == self.version:
             return
         if self.version == 0:                 # vLLM was started on the initial model: nothing to push
-            write_policy(self.data_dir, 0, Path(self.config.model))
+            store.policy.write(self.data_dir, 0, self.config.model)
         else:
             log.info("policy.json says %s, the trainer is at version %d: publishing it",
-                     published and published.get("version"), self.version)
+                     published and published.version, self.version)
             self.publish(self.model_source, expected=expected)
 
     def train_once(self) -> dict | None:
@@ -653,22 +652,6 @@ class Trainer:
                  row["clip_ratio"], row["is_ratio_mean"], row["entropy"], row["skipped_stale"],
                  row["zero_advantage"], row["skipped_malformed"], row["step_seconds"], row["sync_seconds"])
         return row
-
-
-def write_policy(data_dir: Path, version: int, path: Path) -> None:
-    """data_dir/policy.json = {"version", "path", "time_unix_nano"}, atomically (tmp + rename)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / f".{POLICY_FILE}.tmp"
-    tmp.write_text(json.dumps({"version": version, "path": str(Path(path).resolve()),
-                               "time_unix_nano": time.time_ns()}) + "\n")
-    os.replace(tmp, data_dir / POLICY_FILE)
-
-
-def read_policy(data_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(data_dir) / POLICY_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _untie(model) -> None:

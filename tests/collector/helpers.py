@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.server import EXPORT_METHOD, Collector
 from lightspan.tracing import semconv as sc

@@ -9,7 +9,8 @@ import duckdb
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from lightspan.collector import compact, store
+from lightspan import store
+from lightspan.collector import compact
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import query, raw_rows, wait_for
 

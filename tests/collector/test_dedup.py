@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from lightspan.collector import compact, dedup, store
+from lightspan import store
+from lightspan.collector import compact, dedup
 from lightspan.collector.config import ConfigError
 from lightspan.collector.server import Collector
 from tests.collector.helpers import config, query, raw_rows

@@ -20,7 +20,7 @@ import requests
 from google.rpc import error_details_pb2
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.collector import wal as wal_module
 from lightspan.collector.server import Collector
 from lightspan.collector.wal import WAL

@@ -13,7 +13,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from lightspan.collector import otlp
-from lightspan.collector.store import SPAN_SCHEMA
+from lightspan.store import SPAN_SCHEMA
 from lightspan.tracing import semconv as sc
 
 TRACE = bytes(range(1, 17))

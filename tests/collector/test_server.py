@@ -403,7 +403,7 @@ def test_collector_help_documents_every_field(capsys):
 
 
 def test_store_import_does_not_pull_in_the_receivers():
-    code = ("import sys, lightspan.collector.store;"
+    code = ("import sys, lightspan.store;"
             "bad = [m for m in ('grpc', 'http.server', 'lightspan.collector.server', 'lightspan.collector.httpd') if m in sys.modules];"
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

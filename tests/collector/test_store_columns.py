@@ -2,7 +2,7 @@
 
 import pyarrow as pa
 
-from lightspan.collector import store
+from lightspan import store
 
 
 def test_files_that_predate_a_column_read_it_as_null(tmp_path):

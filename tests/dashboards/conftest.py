@@ -14,7 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.collector.server import Collector
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import config, grpc_exporter, query

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.collector.server import Collector
 from tests.collector.helpers import config, query
 from tests.conftest import ARTIFACTS
@@ -43,11 +43,10 @@ def tasks_file(path: Path, prefix: str, n: int) -> Path:
 @pytest.fixture(scope="module")
 def real_run(vllm_server, tiny_model, tmp_path_factory):
     """A collector (real, in this process) holding one short real training run."""
-    from lightspan.trainer.loop import write_policy
     from lightspan.trainer.sync import ReloadSync
 
     data = tmp_path_factory.mktemp("ui-run")
-    write_policy(data, 0, tiny_model)    # as the demo does: the first rollouts are policy version 0
+    store.policy.write(data, 0, tiny_model)    # as the demo does: the first rollouts are policy version 0
     collector = Collector(config(data, flush_interval_s=0.5)).start()
     ReloadSync(vllm_server.url).push(str(tiny_model), 0)    # the session's vLLM may serve other weights
     try:

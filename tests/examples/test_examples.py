@@ -74,7 +74,7 @@ def collector(tmp_path):
 
 @pytest.mark.parametrize("example", list(CASES))
 def test_example_trains_from_its_traces(example, collector, vllm_server, tiny_model, tmp_path):
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.trainer.sync import ReloadSync
 
     if example != "sql_agent":  # the LangGraph examples need the 'examples' extra

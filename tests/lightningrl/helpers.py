@@ -4,7 +4,7 @@ import json
 
 import pyarrow as pa
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.lightningrl.builder import build_transitions
 from lightspan.lightningrl.config import TransitionsConfig
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError, resolve
 from lightspan.lightningrl import builder
 from lightspan.lightningrl.config import TransitionsConfig

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.lightningrl import builder, sequences
 from lightspan.lightningrl.config import OUTPUTS
 from lightspan.lightningrl.sequences import classify_mismatch, merge

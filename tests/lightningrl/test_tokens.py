@@ -3,7 +3,7 @@
 import numpy as np
 import pyarrow as pa
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.lightningrl import tokens
 
 

@@ -2,7 +2,7 @@
 
 import json
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.lightningrl import builder, watermark
 from lightspan.lightningrl.config import TransitionsConfig
 from tests.lightningrl.helpers import NOW, call, episode, reward, write

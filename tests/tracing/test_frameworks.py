@@ -153,7 +153,7 @@ FRAMEWORKS = [
 @pytest.mark.parametrize("name,script,module,calls,disabled", FRAMEWORKS, ids=[f[0] for f in FRAMEWORKS])
 def test_framework_agent_is_captured(name, script, module, calls, disabled, collector, recorder, vllm_server,
                                      tmp_path):
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.lightningrl.builder import build_transitions
     from lightspan.lightningrl.config import TransitionsConfig
 

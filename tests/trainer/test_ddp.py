@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import run, shard_groups
 from tests.conftest import free_port

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import STATE_FILE, named_optimizer_state, numbered_optimizer_state, run
 from tests.conftest import free_port

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError, resolve
 from lightspan.trainer.config import TrainerConfig, parse_duration
 from lightspan.trainer.loop import CONFIG_FILE, STATE_FILE, Cursor, Trainer, collate, run

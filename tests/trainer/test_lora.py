@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.config import ConfigError
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import STATE_FILE, Trainer, collate

@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.sync import prompt_logprobs, verify

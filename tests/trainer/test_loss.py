@@ -222,7 +222,7 @@ def test_the_trainer_passes_the_objective_options_through(tmp_path, tiny_model):
     """cispo, sequence-level masking and is_floor reach the loss from the config (trainer/loop.py)."""
     import pyarrow as pa
 
-    from lightspan.collector import store
+    from lightspan import store
     from lightspan.trainer.config import TrainerConfig
     from lightspan.trainer.loop import Trainer
 

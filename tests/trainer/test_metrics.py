@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer, run
 from lightspan.trainer.metrics import COUNTERS, GAUGES, PREFIX, MetricsServer, TrainerMetrics

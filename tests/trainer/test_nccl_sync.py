@@ -26,7 +26,7 @@ import time
 import pyarrow as pa
 import pytest
 import torch
-from lightspan.collector import store
+from lightspan import store
 from lightspan.trainer import sync as sync_module
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer

@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from lightspan.collector import store
+from lightspan import store
 from lightspan.models import build_tiny_model
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer

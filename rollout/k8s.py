@@ -2,9 +2,9 @@
 rendered for each task sample.
 
 The Jobs carry the environment ``lightspan rollout`` gives a local agent process
-(:func:`lightspan.tracing.runner.rollout_env`), so spans are grouped the same way. Usage::
+(:func:`lightspan.rollout.runner.rollout_env`), so spans are grouped the same way. Usage::
 
-    python -m lightspan.tracing.k8s --tasks tasks.jsonl --samples 4 --image my-agent:1 \\
+    python -m lightspan.rollout.k8s --tasks tasks.jsonl --samples 4 --image my-agent:1 \\
         --openai-base-url http://vllm.rl:8000/v1 --otlp-endpoint http://lightspan.rl:4317 \\
         -- python my_agent.py | kubectl apply -f -
 """
@@ -20,7 +20,8 @@ import uuid
 from pathlib import Path
 
 from lightspan.config import ConfigError, add_arguments, cli_values, resolve
-from lightspan.tracing.runner import RolloutConfig, load_tasks, policy_version, rollout_env
+from lightspan import store
+from lightspan.rollout.runner import RolloutConfig, load_tasks, rollout_env
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "rollout-job.yaml"  # package data: in the wheel too
 
@@ -64,13 +65,13 @@ def render_jobs(cfg: RolloutConfig, command: list[str], *, image: str, namespace
     if not path.is_file():
         raise ConfigError("rollout", "template", f"{path} not found",
                           f"pass --template with a Job template (lightspan's own: {DEFAULT_TEMPLATE})")
-    template, version = path.read_text(), policy_version(cfg.data_dir)
+    template, version = path.read_text(), store.policy.served_version(cfg.data_dir)
     return [render_job(template, cfg, task, image=image, command=command, version=version, namespace=namespace)
             for task in load_tasks(cfg.tasks) for _ in range(cfg.samples)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightspan.tracing.k8s", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lightspan.rollout.k8s", description=__doc__.splitlines()[0])
     parser.add_argument("--image", required=True, help="container image with the agent and lightspan installed")
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--template", default=str(DEFAULT_TEMPLATE))

@@ -11,7 +11,9 @@ from urllib.parse import unquote
 import pytest
 
 from lightspan.config import ConfigError
-from lightspan.tracing import runner, semconv
+from lightspan import store
+from lightspan.rollout import runner
+from lightspan.tracing import semconv
 
 
 def _cfg(tmp_path, tasks=None, **kw):
@@ -58,7 +60,7 @@ def test_agent_environment_carries_task_version_and_capture_url(tmp_path):
 
 
 def test_behind_a_gateway_the_ids_travel_in_the_base_url(tmp_path):
-    from lightspan.tracing.gateway import route
+    from lightspan.rollout.gateway import route
     from lightspan.tracing.instrumentor import should_capture
 
     cfg = _cfg(tmp_path, gateway_url="http://127.0.0.1:8100/", split="val")
@@ -72,10 +74,14 @@ def test_behind_a_gateway_the_ids_travel_in_the_base_url(tmp_path):
     assert not should_capture(base, "/chat/completions", env["LIGHTSPAN_CAPTURE_URLS"].split(","))
 
 
-def test_policy_version_reads_policy_json(tmp_path):
-    assert runner.policy_version(tmp_path) == 0
+def test_served_version_reads_policy_json(tmp_path):
+    assert store.policy.served_version(tmp_path) == 0
     (tmp_path / "policy.json").write_text(json.dumps({"version": 3}))
-    assert runner.policy_version(tmp_path) == 3
+    assert store.policy.served_version(tmp_path) == 3
+    (tmp_path / "policy.json").write_text("{not json")     # someone else's file: the initial model
+    assert store.policy.served_version(tmp_path) == 0
+    store.policy.write(tmp_path, 4, tmp_path)
+    assert store.policy.read(tmp_path).version == 4 and store.policy.read(tmp_path).path == str(tmp_path.resolve())
 
 
 def _run_one(tmp_path, code: str, timeout_s: float = 60.0):

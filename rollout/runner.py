@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from lightspan import store
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.progress import progress
 from lightspan.tracing import semconv
 
@@ -49,8 +51,8 @@ class RolloutConfig:
         "", "A lightspan gateway (http://HOST:PORT) in front of openai_base_url's server: agents then get "
             "OPENAI_BASE_URL=GATEWAY/rollouts/ID/tasks/TASK/splits/SPLIT/v1, so a non-Python agent's calls are "
             "captured and grouped by the gateway, and the in-process instrumentor stands aside (no double capture).")
-    data_dir: str = option("./lightspan-data", "Data directory (its policy.json gives the served policy version).",
-                           env="LIGHTSPAN_DATA_DIR")
+    data_dir: str = option(DEFAULT_DATA_DIR, "Data directory (its policy.json gives the served policy version).",
+                           env=DATA_DIR_ENV)
     service_name: str = option("agent", "OTEL_SERVICE_NAME of the agents unless the environment sets one.")
     logs_dir: str = option("", "Where each rollout's stdout/stderr goes (default: DATA_DIR/rollout-logs).")
 
@@ -78,14 +80,6 @@ def load_tasks(path: str | os.PathLike) -> list[dict]:
             raise ConfigError("rollout", "tasks", f"{path}:{n} has no \"id\"", "give every task an \"id\" field")
         tasks.append({**task, "id": str(task_id)})
     return tasks
-
-
-def policy_version(data_dir: str | os.PathLike) -> int:
-    """The served policy version that the trainer last published; 0 (the initial model) before any."""
-    try:
-        return int(json.loads((Path(data_dir) / "policy.json").read_text())["version"])
-    except FileNotFoundError:
-        return 0
 
 
 def resource_attributes(existing: str, rollout_id: str, task_id: str, split: str) -> str:
@@ -201,7 +195,7 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     if not command:
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
     tasks = load_tasks(cfg.tasks)
-    version = policy_version(cfg.data_dir)
+    version = store.policy.served_version(cfg.data_dir)
     logs = Path(cfg.logs_dir or Path(cfg.data_dir) / "rollout-logs")
     logs.mkdir(parents=True, exist_ok=True)
     provider = _tracer_provider(cfg)

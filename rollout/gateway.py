@@ -48,7 +48,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from lightspan import store
 from lightspan.config import ConfigError, option
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import CHAT, Capture, operation, with_capture
 
@@ -72,8 +74,8 @@ class GatewayConfig:
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
     service_name: str = option("lightspan-gateway", "service.name of the gateway's spans.")
-    data_dir: str = option("./lightspan-data", "Data directory; its policy.json gives the served policy version.",
-                           env="LIGHTSPAN_DATA_DIR")
+    data_dir: str = option(DEFAULT_DATA_DIR, "Data directory; its policy.json gives the served policy version.",
+                           env=DATA_DIR_ENV)
     strip_capture_fields: bool = option(
         True, "Answer with the fields the caller asked for: token ids and logprobs the gateway added are set "
               "back to null. Off: callers also get them.")
@@ -207,7 +209,8 @@ class _PolicyVersion:
     """The served policy version: set at resume, else ``policy.json`` (re-read when it changes)."""
 
     def __init__(self, data_dir: str):
-        self.path = Path(data_dir) / "policy.json"
+        self.data_dir = data_dir
+        self.path = store.policy.path(data_dir)
         self.override: int | None = None
         self._cached: tuple[float, int | None] = (-1.0, None)
 
@@ -219,10 +222,10 @@ class _PolicyVersion:
         except OSError:
             return 0  # no policy published yet: the initial model
         if mtime != self._cached[0]:
-            try:
-                self._cached = (mtime, int(json.loads(self.path.read_text())["version"]))
-            except (OSError, ValueError, KeyError, TypeError):
+            published = store.policy.read(self.data_dir)
+            if published is None:      # unreadable: keep the version last read
                 return self._cached[1]
+            self._cached = (mtime, published.version)
         return self._cached[1]
 
 

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from lightspan.config import ConfigError
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import Capture
-from lightspan.tracing.gateway import Gateway, GatewayConfig, route
+from lightspan.rollout.gateway import Gateway, GatewayConfig, route
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

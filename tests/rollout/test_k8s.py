@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from lightspan.config import ConfigError
-from lightspan.tracing import k8s, semconv
-from lightspan.tracing.runner import RolloutConfig
+from lightspan.rollout import k8s
+from lightspan.tracing import semconv
+from lightspan.rollout.runner import RolloutConfig
 
 TRICKY = 'q: "1 + 1"\n# not a comment ${X} {a: b}'
 

@@ -1,0 +1,139 @@
+"""The DuckDB views every reader uses, over the Parquet files of a data directory.
+
+The collector is the only writer of ``spans/`` and ``logs/``; readers (``lightningrl``,
+``trainer``, ``dashboards``, ``lightspan sql``, the collector's SQL API) open DuckDB views over
+the files, so no reader ever waits on a writer's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import duckdb
+
+from lightspan.store.files import table_files
+from lightspan.store.layout import data_dir
+from lightspan.store.schema import PARTITIONED, SCHEMAS
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
+# a root span every chat call is its own trace (docs/architecture.md, "Attributes").
+_VIEWS = {
+    "llm_calls": """
+        SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
+        FROM spans
+        WHERE (prompt_token_ids IS NOT NULL
+               OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content'))
+          -- an enclosing span of a second instrumentation: the inner span carries the call
+          AND capture_status IS DISTINCT FROM 'duplicate'""",
+    "rewards": """
+        SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
+               trace_id, span_id, coalesce(reward_name, 'reward') AS reward_name, reward,
+               end_time_unix_nano AS time_unix_nano
+        FROM spans WHERE reward IS NOT NULL""",
+    "rollouts": """
+        SELECT coalesce(rollout_id, trace_id) AS rollout_key,
+               any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
+               any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
+               any_value(service_name) AS service_name,
+               count(*) AS num_spans,
+               count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
+               arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL) AS final_reward,
+               bool_or(status_code = 'ERROR') AS has_error,
+               min(start_time_unix_nano) AS start_time_unix_nano,
+               max(end_time_unix_nano) AS end_time_unix_nano,
+               max(model_version) AS model_version
+        FROM spans GROUP BY 1""",
+}
+
+
+def _glob(root, table: str) -> str | None:
+    base = root / table
+    if not base.is_dir() or not any(base.rglob("*.parquet")):
+        return None
+    return str(base / "**" / "*.parquet")
+
+
+def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
+    ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``.
+
+    The views read the files as they are: the collector writes ``spans`` deduplicated on
+    (trace_id, span_id) and ``logs`` on record_id (lightspan.collector.dedup), so no view pays for a
+    deduplicating window. ``spans`` and ``logs`` read the files committed when the connection
+    opened (:func:`table_files`): open a connection per query or task to see newer ones. A table
+    with no files yet is an empty view with the right columns.
+    """
+    root = data_dir(path)
+    con = duckdb.connect(database)
+    for table, schema in SCHEMAS.items():
+        con.register(f"_{table}_empty", schema.empty_table())
+        source = f"SELECT * FROM _{table}_empty"
+        if table in PARTITIONED:         # a snapshot of the files: see table_files
+            files = table_files(root, table)
+            if files:
+                listing = ", ".join(quote(str(f)) for f in files)
+                source = (f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, "
+                          f"union_by_name=true)")
+                source = with_all_columns(con, table, source)
+                if any(len(f.relative_to(root / table).parts) > 2 for f in files):
+                    # a tree merged from several collectors (collector=<n>/date=…): a batch
+                    # retried to another collector is in it twice, so this view deduplicates
+                    source += f" QUALIFY {dedup_clause(table)}"
+        elif (glob := _glob(root, table)) is not None:
+            source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning=false, union_by_name=true)"
+            source = with_all_columns(con, table, source)
+        con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+    for name, sql in _VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+    return con
+
+
+def with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
+    """``source`` (a query over ``table``'s files) plus a typed NULL for each schema column the
+    files predate: a column added later reads as null in older stores."""
+    have = {row[0] for row in con.execute(f"DESCRIBE {source}").fetchall()}
+    missing = [(name, kind) for name, kind, *_ in con.execute(f"DESCRIBE _{table}_empty").fetchall()
+               if name not in have]
+    if not missing:
+        return source
+    nulls = ", ".join(f'NULL::{kind} AS "{name}"' for name, kind in missing)
+    return f"SELECT *, {nulls} FROM ({source})"
+
+
+def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
+    """``fn()``, run again when a Parquet file it globbed vanished before it was read.
+
+    Readers never lock: the collector's compaction and retention remove files that a reader's
+    glob may have listed a moment before. A read is cheap to repeat and sees the new files then.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except duckdb.IOException as exc:
+            # a globbed file gone: "No such file"; a file of a connection's listing gone: "No files found"
+            if attempt == attempts or not any(m in str(exc) for m in ("No such file", "No files found")):
+                raise
+            log.info("a Parquet file vanished under a read (compaction); reading again (%d/%d)", attempt, attempts)
+    raise AssertionError("unreachable")
+
+
+def dedup_clause(table: str) -> str:
+    """The QUALIFY condition that keeps one row per dedup key of a partitioned table (compaction
+    applies it to the files it merges)."""
+    return f"row_number() OVER (PARTITION BY {', '.join(PARTITIONED[table])} ORDER BY received_unix_nano) = 1"
+
+
+def quote(text: str) -> str:
+    """``text`` as a SQL string literal."""
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+def quote_list(items) -> str:
+    """A SQL list literal of strings: ``['a', 'b']``."""
+    return "[" + ", ".join(quote(i) for i in items) + "]"
