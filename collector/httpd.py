@@ -9,8 +9,8 @@ decompression (413).
 
 API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flush``,
 ``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST /v1/sql``
-``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), the web UI (``GET /ui/``, open) and its
-JSON (``GET /api/ui/...``, see :mod:`lightspan.dashboards.web`). API answers are JSON; errors are
+``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), and the GET routes the composing
+process added (:mod:`lightspan.collector.routes`: the web UI). API answers are JSON; errors are
 ``{"error": message}`` with 400 for the client's mistakes and never 500 for its data.
 
 With ``tls_cert_file``/``tls_key_file`` both servers speak HTTPS; the TLS handshake runs in the
@@ -33,9 +33,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from google.protobuf import json_format
 
-from lightspan.collector import api
+from lightspan.collector import api, routes
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome
-from lightspan.dashboards import web
 
 if TYPE_CHECKING:
     from lightspan.collector.server import Collector
@@ -48,8 +47,7 @@ _SIGNALS = {TRACES_PATH: "traces", LOGS_PATH: "logs"}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 DRAIN_LIMIT = 8 << 20         # bytes of a refused body read and thrown away before hanging up
-_API_ROUTES = ("GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql, "
-               "GET /ui/ (web UI), GET /api/ui/...")
+_API_ROUTES = "GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql"
 
 
 class HTTPServer(ThreadingHTTPServer):
@@ -284,16 +282,15 @@ class APIHandler(BaseHandler):
         if url.path == "/healthz":   # open without the token: load balancers and probes call it
             ok = self.collector.running
             return self.send_json(200 if ok else 503, {"status": "ok" if ok else "stopping"})
-        if url.path in ("/", "/ui") or url.path.startswith(web.UI_PREFIX):   # the UI's files hold no data: open
-            return self.send_response_of(web.static(url.path))
-        if url.path.startswith(web.API_PREFIX):
-            if self.allowed():
-                self.send_response_of(web.api(url.path, url.query, self.collector))
+        added = routes.find(self.collector.routes, url.path)
+        if added is not None:
+            if added.open or self.allowed():
+                self.send_response_of(added.handler(url.path, url.query, self.collector))
             return
         if url.path not in self._GET:
             if url.path in self._POST:
                 return self.not_allowed("POST")
-            return self.send_text(404, f"not found: {_API_ROUTES}\n")
+            return self.send_text(404, f"not found: {self.routes_text()}\n")
         if not self.allowed():
             return
         if url.path == "/metrics":
@@ -307,7 +304,7 @@ class APIHandler(BaseHandler):
             self.discard_body()
             if path in self._GET:
                 return self.send_text(405, f"use GET on {path}\n", {"Allow": "GET"})
-            return self.send_text(404, f"not found: {_API_ROUTES}\n")
+            return self.send_text(404, f"not found: {self.routes_text()}\n")
         if not self.allowed():
             return
         if path == "/v1/flush":
@@ -320,7 +317,11 @@ class APIHandler(BaseHandler):
             return self.rewards(doc)
         self.sql(doc.get("sql") if isinstance(doc, dict) else None)
 
-    def send_response_of(self, response: "web.Response") -> None:
+    def routes_text(self) -> str:
+        added = [f"GET {r.prefix or r.paths[0]}" for r in self.collector.routes]
+        return ", ".join([_API_ROUTES, *added])
+
+    def send_response_of(self, response: routes.Response) -> None:
         self.send(response.status, response.body, response.content_type, response.headers)
 
     def allowed(self) -> bool:

@@ -61,8 +61,10 @@ class Metrics:
             return {**self._counters, "requests_refused_total": dict(self._refused),
                     "flush_seconds_sum": self._flush_sum, "flush_seconds_count": self._flush_count}
 
-    def render(self, *, queue_bytes: int, wal_bytes: int, fsync_sum: float, fsync_count: int) -> str:
-        snap = self.snapshot()
+    @staticmethod
+    def render(snap: dict) -> str:
+        """The Prometheus text of ``Collector.health()``'s numbers (a :meth:`snapshot` plus the
+        queue, WAL and fsync figures)."""
         lines = []
 
         def metric(name, kind, help_, samples):
@@ -76,10 +78,10 @@ class Metrics:
                "Requests answered with an error, by reason (disk: the WAL could not be written).",
                [(f'requests_refused_total{{reason="{r}"}}', n) for r, n in snap["requests_refused_total"].items()])
         metric("queue_bytes", "gauge", "Bytes accepted but not yet in Parquet (trace requests as received, log records as Arrow; bounded by max_queue_bytes).",
-               [("queue_bytes", queue_bytes)])
-        metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", wal_bytes)])
+               [("queue_bytes", snap["queue_bytes"])])
+        metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", snap["wal_bytes"])])
         metric("flush_seconds", "summary", "Time to write queued rows to Parquet, per flush with data.",
                [("flush_seconds_sum", snap["flush_seconds_sum"]), ("flush_seconds_count", snap["flush_seconds_count"])])
         metric("fsync_seconds", "summary", "Time in WAL fsync (one fsync may cover several exports).",
-               [("fsync_seconds_sum", fsync_sum), ("fsync_seconds_count", fsync_count)])
+               [("fsync_seconds_sum", snap["fsync_seconds_sum"]), ("fsync_seconds_count", snap["fsync_seconds_count"])])
         return "\n".join(lines) + "\n"

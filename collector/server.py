@@ -50,6 +50,7 @@ from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import (DecodeError, check, count_log_records, count_spans, flatten, flatten_logs,
                                       parse_json_logs_request, parse_json_request, parse_protobuf_request)
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, retry_info, status_for
+from lightspan.collector.routes import Route
 from lightspan.collector.wal import WAL
 
 __all__ = ["Collector", "CollectorError", "ExportResult", "Outcome", "Status", "status_for", "serve",
@@ -86,8 +87,11 @@ _SIGNALS = {
 class Collector:
     """Receivers → WAL → bounded queue → Parquet writer. ``start()``, ``flush()``, ``stop()``."""
 
-    def __init__(self, config: CollectorConfig):
+    def __init__(self, config: CollectorConfig, routes: tuple[Route, ...] = ()):
+        """``routes``: GET routes added to the API port by the process that composes the services
+        (the web UI, :mod:`lightspan.collector.routes`)."""
         self.config = config
+        self.routes = tuple(routes)
         self.data_dir = Path(config.data_dir)
         self.metrics = Metrics()
         self._state_lock = threading.Lock()
@@ -545,11 +549,23 @@ class Collector:
             context.abort(status.grpc_code, result.message)
         return handle
 
-    def render_metrics(self) -> str:
+    @property
+    def sql_timeout_s(self) -> float:
+        return self.config.sql_timeout_s
+
+    def health(self) -> dict:
+        """The collector's numbers: every counter, refusals by reason, queue and WAL bytes, flush and
+        fsync sums and counts, whether it runs, and its queue limit (the web UI's health page)."""
         wal = self._wal
-        return self.metrics.render(queue_bytes=self._queue_bytes, wal_bytes=wal.size_bytes if wal else 0,
-                                   fsync_sum=wal.fsync_seconds if wal else 0.0,
-                                   fsync_count=wal.fsync_count if wal else 0)
+        return {**self.metrics.snapshot(), "queue_bytes": self._queue_bytes,
+                "wal_bytes": wal.size_bytes if wal else 0,
+                "fsync_seconds_sum": wal.fsync_seconds if wal else 0.0,
+                "fsync_seconds_count": wal.fsync_count if wal else 0,
+                "running": self.running, "limits": {"max_queue_bytes": self.config.max_queue_bytes}}
+
+    def render_metrics(self) -> str:
+        """``GET /metrics``: :meth:`health`'s numbers in the Prometheus text format."""
+        return self.metrics.render(self.health())
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -561,8 +577,9 @@ def config_summary(config: CollectorConfig) -> dict:
     return summary
 
 
-def serve(config: CollectorConfig) -> int:
-    """Run a collector until SIGINT or SIGTERM; returns the process exit code.
+def serve(config: CollectorConfig, routes: tuple[Route, ...] = ()) -> int:
+    """Run a collector (with ``routes`` added to its API port) until SIGINT or SIGTERM; returns the
+    process exit code.
 
     The process's log lines are formatted by ``config.log_format`` (JSON lines by default)."""
     jsonlog.configure(config.log_format)
@@ -576,7 +593,7 @@ def serve(config: CollectorConfig) -> int:
     if threading.current_thread() is threading.main_thread():   # installed before the ports open
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-    collector = Collector(config)
+    collector = Collector(config, routes)
     try:
         try:
             collector.start()

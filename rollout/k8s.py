@@ -4,26 +4,40 @@ rendered for each task sample.
 The Jobs carry the environment ``lightspan rollout`` gives a local agent process
 (:func:`lightspan.rollout.runner.rollout_env`), so spans are grouped the same way. Usage::
 
-    python -m lightspan.rollout.k8s --tasks tasks.jsonl --samples 4 --image my-agent:1 \\
-        --openai-base-url http://vllm.rl:8000/v1 --otlp-endpoint http://lightspan.rl:4317 \\
+    lightspan jobs --tasks tasks.jsonl --samples 4 --image my-agent:1 \\
+        --openai-base-url http://vllm.rl:8000/v1 --otlp-endpoint http://lightspan.rl:4318 \\
         -- python my_agent.py | kubectl apply -f -
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import string
-import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from lightspan.config import ConfigError, add_arguments, cli_values, resolve
 from lightspan import store
+from lightspan.config import ConfigError, option
 from lightspan.rollout.runner import RolloutConfig, load_tasks, rollout_env
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "rollout-job.yaml"  # package data: in the wheel too
+
+
+@dataclass(frozen=True)
+class JobsConfig(RolloutConfig):
+    """``lightspan jobs``: the rollout's settings (the ``[rollout]`` table) and where the Jobs run."""
+
+    image: str = option("", "Container image with the agent and lightspan's agent side installed.")
+    namespace: str = option("default", "Kubernetes namespace of the Jobs.")
+    template: str = option("", "Job template (placeholders ${JOB_NAME}, ${IMAGE}, ...); empty: lightspan's own, "
+                                   "rollout-job.yaml in the installed package.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.image:
+            raise ConfigError("rollout", "image", "no container image given", "pass --image REGISTRY/my-agent:TAG")
 
 
 def job_name(rollout_id: str) -> str:
@@ -56,35 +70,15 @@ def render_job(template: str, cfg: RolloutConfig, task: dict, *, image: str, com
                           f"use only {names}; write a literal dollar sign as $$") from None
 
 
-def render_jobs(cfg: RolloutConfig, command: list[str], *, image: str, namespace: str = "default",
-                template_path: str | Path = DEFAULT_TEMPLATE) -> list[str]:
+def render_jobs(cfg: JobsConfig, command: list[str]) -> list[str]:
     """One manifest per task sample, as ``lightspan rollout`` would run them."""
     if not command:
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
-    path = Path(template_path)
+    path = Path(cfg.template or DEFAULT_TEMPLATE)
     if not path.is_file():
         raise ConfigError("rollout", "template", f"{path} not found",
                           f"pass --template with a Job template (lightspan's own: {DEFAULT_TEMPLATE})")
     template, version = path.read_text(), store.policy.served_version(cfg.data_dir)
-    return [render_job(template, cfg, task, image=image, command=command, version=version, namespace=namespace)
+    return [render_job(template, cfg, task, image=cfg.image, command=command, version=version,
+                       namespace=cfg.namespace)
             for task in load_tasks(cfg.tasks) for _ in range(cfg.samples)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightspan.rollout.k8s", description=__doc__.splitlines()[0])
-    parser.add_argument("--image", required=True, help="container image with the agent and lightspan installed")
-    parser.add_argument("--namespace", default="default")
-    parser.add_argument("--template", default=str(DEFAULT_TEMPLATE))
-    parser.add_argument("--config", help="TOML file with a [rollout] table")
-    add_arguments(parser, RolloutConfig, "rollout")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the agent command")
-    args = parser.parse_args(argv)
-    cfg = resolve(RolloutConfig, section="rollout", file=args.config, cli=cli_values(args, RolloutConfig))
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    docs = render_jobs(cfg, command, image=args.image, namespace=args.namespace, template_path=args.template)
-    sys.stdout.write("---\n".join(docs))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -158,10 +158,10 @@ def parse_lightspan(argv: list[str], environ: dict[str, str], path_map=lambda v:
         args = cli._parser(argv).parse_args(argv)
     except SystemExit as exc:  # argparse reports the bad option on stderr
         raise AssertionError(f"`lightspan {' '.join(argv)}` does not parse (exit {exc.code})") from None
-    if args.job not in cli._JOBS:
+    job = cli.JOBS[args.job]
+    if job.config is None:
         return Job(args.job, argv, None, args)
-    cls_path, section, _ = cli._JOBS[args.job]
-    cls = cli._load(cls_path)
+    cls, section = cli._load(job.config), job.section
     values = {f.name: path_map(getattr(args, f.name, None)) for f in dataclasses.fields(cls)}
     env = {k: path_map(v) for k, v in environ.items() if k.startswith("LIGHTSPAN_")}
     try:
@@ -174,8 +174,11 @@ def parse_lightspan(argv: list[str], environ: dict[str, str], path_map=lambda v:
 def config_env_names() -> dict[str, set[str]]:
     """Every LIGHTSPAN_* variable a job reads: {variable: {sections}}."""
     names: dict[str, set[str]] = {}
-    for cls_path, section, _ in cli._JOBS.values():
-        for f in dataclasses.fields(cli._load(cls_path)):
+    for job in cli.JOBS.values():
+        if job.config is None:
+            continue
+        section = job.section
+        for f in dataclasses.fields(cli._load(job.config)):
             for var in (env_name(section, f.name), f.metadata.get("env")):
                 if var:
                     names.setdefault(var, set()).add(section)
@@ -185,7 +188,7 @@ def config_env_names() -> dict[str, set[str]]:
 def check_env_names(where: str, environ: dict[str, str], job: Job | None) -> None:
     """Each LIGHTSPAN_* variable is a config field of the job this container runs."""
     known = config_env_names()
-    section = cli._JOBS[job.name][1] if job and job.name in cli._JOBS else None
+    section = cli.JOBS[job.name].section or None if job and job.name in cli.JOBS else None
     for var in environ:
         if not var.startswith("LIGHTSPAN_"):
             continue
@@ -905,11 +908,11 @@ def test_the_rollout_job_template_renders_against_the_stack(tmp_path):
     rendered = kustomize(K8S)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text((ROOT / "deploy" / "compose" / "math-tasks.jsonl").read_text())
-    cfg = RolloutConfig(tasks=str(tasks), data_dir=str(tmp_path), samples=2,
+    cfg = k8s.JobsConfig(tasks=str(tasks), data_dir=str(tmp_path), samples=2, image="lightspan:0.1.0",
+                         namespace=NAMESPACE,
                         otlp_endpoint=f"http://lightspan-collector.{NAMESPACE}:4317",
                         openai_base_url=f"http://vllm.{NAMESPACE}:8000/v1")
-    docs = [yaml.safe_load(d) for d in k8s.render_jobs(cfg, ["python", "/app/examples/math_agent.py"],
-                                                       image="lightspan:0.1.0", namespace=NAMESPACE)]
+    docs = [yaml.safe_load(d) for d in k8s.render_jobs(cfg, ["python", "/app/examples/math_agent.py"])]
     assert len(docs) == 2 * len(load_tasks(tasks))
     for job in docs:
         (agent,) = job["spec"]["template"]["spec"]["containers"]

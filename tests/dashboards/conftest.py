@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from lightspan import store
 from lightspan.collector.server import Collector
+from lightspan.dashboards import web
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import config, grpc_exporter, query
 
@@ -99,7 +100,7 @@ def transition_rows(calls: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def ui_store(tmp_path_factory) -> UIStore:
     data_dir = tmp_path_factory.mktemp("ui-data")
-    collector = Collector(config(data_dir)).start()
+    collector = Collector(routes=web.routes(), config=config(data_dir)).start()
     try:
         for r in ROLLOUTS:
             resource = Resource.create({"service.name": f"svc-{r.agent}", sc.ROLLOUT_ID: r.key, sc.TASK_ID: r.task,

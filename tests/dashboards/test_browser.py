@@ -19,6 +19,7 @@ import pytest
 
 from lightspan import store
 from lightspan.collector.server import Collector
+from lightspan.dashboards import web
 from tests.collector.helpers import config, query
 from tests.conftest import ARTIFACTS
 from tests.dashboards.browser import Browser, chromium_path
@@ -47,7 +48,7 @@ def real_run(vllm_server, tiny_model, tmp_path_factory):
 
     data = tmp_path_factory.mktemp("ui-run")
     store.policy.write(data, 0, tiny_model)    # as the demo does: the first rollouts are policy version 0
-    collector = Collector(config(data, flush_interval_s=0.5)).start()
+    collector = Collector(routes=web.routes(), config=config(data, flush_interval_s=0.5)).start()
     ReloadSync(vllm_server.url).push(str(tiny_model), 0)    # the session's vLLM may serve other weights
     try:
         rollout = ["rollout", "--concurrency", "4", "--otlp-endpoint", f"http://127.0.0.1:{collector.grpc_port}",

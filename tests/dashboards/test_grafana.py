@@ -16,8 +16,8 @@ import requests
 import yaml
 
 from lightspan.collector.server import Collector
-from lightspan.dashboards import ui
 from tests.collector.helpers import config
+from tests.dashboards.prometheus import parse_prometheus
 
 GRAFANA = Path(__file__).resolve().parents[2] / "dashboards" / "grafana"
 METRIC = re.compile(r"\blightspan_[a-z0-9_]+")
@@ -38,7 +38,7 @@ def exprs(doc: dict) -> list[str]:
 
 
 def sample_names(text: str) -> set[str]:
-    return set(ui.parse_prometheus(text))
+    return set(parse_prometheus(text))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from lightspan.collector.server import Collector
 from lightspan.dashboards import ui, web
 from tests.collector.helpers import config, grpc_exporter, make_spans
+from tests.dashboards.prometheus import parse_prometheus
 from tests.dashboards.conftest import ROLLOUTS, TRAIN_STEPS, TOOL_CALL
 
 
@@ -194,7 +195,7 @@ def test_training_shows_the_latest_run_and_reward_per_version(ui_store):
 
 def test_health_reports_the_collectors_own_metrics(ui_store):
     doc = get(ui_store, "/api/ui/health").json()
-    metrics = ui.parse_prometheus(requests.get(ui_store.url("/metrics"), timeout=10).text)
+    metrics = parse_prometheus(requests.get(ui_store.url("/metrics"), timeout=10).text)
     assert doc["running"] is True
     assert doc["counters"]["spans_accepted_total"] == metrics["lightspan_collector_spans_accepted_total"][0][1] == 20
     assert set(doc["refused"]) == {labels["reason"] for labels, _ in metrics["lightspan_collector_requests_refused_total"]}
@@ -203,7 +204,7 @@ def test_health_reports_the_collectors_own_metrics(ui_store):
 
 
 def test_health_ingest_rate_follows_accepted_spans(tmp_path):
-    collector = Collector(config(tmp_path / "data")).start()
+    collector = Collector(routes=web.routes(), config=config(tmp_path / "data")).start()
     try:
         url = f"http://127.0.0.1:{collector.api_port}/api/ui/health"
         first = requests.get(url, timeout=10).json()
@@ -230,7 +231,7 @@ def test_rate_of_a_counter():
 
 def test_parse_prometheus_reads_labels_and_skips_comments():
     text = '# HELP x y\n# TYPE x counter\nx_total 3\nr_total{reason="disk",a="b"} 2.5\n'
-    assert ui.parse_prometheus(text) == {"x_total": [({}, 3.0)], "r_total": [({"reason": "disk", "a": "b"}, 2.5)]}
+    assert parse_prometheus(text) == {"x_total": [({}, 3.0)], "r_total": [({"reason": "disk", "a": "b"}, 2.5)]}
 
 
 @pytest.mark.parametrize("text, expected_s", [
@@ -268,7 +269,7 @@ def test_static_never_leaves_its_folder():
 
 
 def test_with_a_token_the_data_needs_it_and_the_pages_do_not(tmp_path):
-    collector = Collector(config(tmp_path / "data", auth_token="s3cret")).start()
+    collector = Collector(routes=web.routes(), config=config(tmp_path / "data", auth_token="s3cret")).start()
     try:
         base = f"http://127.0.0.1:{collector.api_port}"
         assert requests.get(f"{base}/ui/", timeout=10).status_code == 200

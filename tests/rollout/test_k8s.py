@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -11,6 +12,7 @@ from urllib.parse import unquote
 import pytest
 import yaml
 
+from lightspan import cli
 from lightspan.config import ConfigError
 from lightspan.rollout import k8s
 from lightspan.tracing import semconv
@@ -62,7 +64,7 @@ def test_one_manifest_per_task_sample_from_the_command_line(tmp_path):
     cfg = _cfg(tmp_path)  # writes the task file
     out = io.StringIO()
     with redirect_stdout(out):
-        assert k8s.main(["--image", "agent:1", "--tasks", cfg.tasks, "--samples", "3",
+        assert cli.main(["jobs", "--image", "agent:1", "--tasks", cfg.tasks, "--samples", "3",
                          "--data-dir", str(tmp_path), "--", "python", "agent.py"]) == 0
     jobs = list(yaml.safe_load_all(out.getvalue()))
     assert len(jobs) == 6 and len({j["metadata"]["name"] for j in jobs}) == 6
@@ -75,4 +77,6 @@ def test_bad_template_or_command_names_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="rollout.template"):
         k8s.render_job("name: ${NOPE}", cfg, {"id": "t"}, image="i", command=["a"])
     with pytest.raises(ConfigError, match="rollout.command"):
-        k8s.render_jobs(cfg, [], image="i")
+        k8s.render_jobs(k8s.JobsConfig(**{**dataclasses.asdict(cfg), "image": "i"}), [])
+    with pytest.raises(ConfigError, match="rollout.image"):
+        k8s.JobsConfig(tasks=cfg.tasks)

@@ -1,0 +1,48 @@
+"""Routes that others add to the collector's API port (the web UI), and what they answer.
+
+The collector imports no dashboards, lightningrl or trainer code: the process that composes the
+services (``lightspan collector``, :mod:`lightspan.services`) builds a tuple of :class:`Route`
+and hands it to :class:`~lightspan.collector.server.Collector`. A route's handler is a plain
+function of the request's path and query string and of a :class:`CollectorState`; it returns a
+:class:`Response`, whatever HTTP server carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class Response:
+    status: int
+    content_type: str
+    body: bytes
+    headers: dict = field(default_factory=dict)
+
+
+class CollectorState(Protocol):
+    """What a route may read of the collector: where its data is, its limits, its numbers."""
+
+    data_dir: Path
+    sql_timeout_s: float
+
+    def health(self) -> Mapping:
+        """``Collector.health()``: running, counters, refusals by reason, queue and WAL bytes."""
+
+
+@dataclass(frozen=True)
+class Route:
+    paths: tuple[str, ...]         # exact paths this route answers, e.g. ("/", "/ui")
+    prefix: str                    # and every path under this prefix, e.g. "/ui/" ("" for none)
+    handler: Callable[[str, str, CollectorState], Response]   # (path, query string, state)
+    open: bool = False             # answered without the bearer token (static files that hold no data)
+
+    def matches(self, path: str) -> bool:
+        return path in self.paths or bool(self.prefix) and path.startswith(self.prefix)
+
+
+def find(routes: tuple[Route, ...], path: str) -> Route | None:
+    return next((r for r in routes if r.matches(path)), None)
