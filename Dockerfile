@@ -30,11 +30,13 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY lightspan/ lightspan/
 COPY collector/ collector/
+COPY store/ store/
 COPY tracing/ tracing/
+COPY rollout/ rollout/
 COPY lightningrl/ lightningrl/
 COPY trainer/ trainer/
 COPY dashboards/ dashboards/
-RUN pip install . && lightspan --help > /dev/null
+RUN pip install ".[full]" && lightspan --help > /dev/null
 
 # the example agents (`lightspan rollout -- python /app/examples/math_agent.py`) and the loop for
 # jobs without a schedule of their own

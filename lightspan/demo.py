@@ -205,7 +205,7 @@ def run(cfg: DemoConfig) -> int:
     train_tasks, val_tasks = make_tasks(cfg.seed, cfg.steps * cfg.tasks_per_step, cfg.val_tasks)
     val_file = _write_jsonl(data / "val_tasks.jsonl", val_tasks)
     vllm_cfg = inference.VLLMConfig(model=str(model_dir), port=cfg.vllm_port, seed=cfg.seed)
-    otlp = f"http://127.0.0.1:{cfg.grpc_port}"
+    otlp = f"http://127.0.0.1:{cfg.http_port}"
     api = f"http://127.0.0.1:{cfg.api_port}"
     rollout_args = ["--otlp-endpoint", otlp, "--openai-base-url", f"{vllm_cfg.url}/v1",
                     "--data-dir", str(data), "--concurrency", str(cfg.concurrency), "--timeout-s", "180"]

@@ -197,7 +197,7 @@ def run(cfg: ExperimentConfig) -> int:
     vllm_url = (cfg.vllm_url or vllm_cfg.url).rstrip("/")
     api = f"http://127.0.0.1:{ports['api']}"
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
-    rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--openai-base-url", f"{vllm_url}/v1",
+    rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url", f"{vllm_url}/v1",
                     "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
                     "--timeout-s", str(cfg.rollout_timeout_s)]
     results = {"name": name, "model": model_dir.name, "agent": " ".join(agent), "train": [], "val": [],

@@ -45,7 +45,13 @@ class RolloutConfig:
     split: str = option("train", "Value of lightspan.split on every rollout: train or val.", choices=("train", "val"))
     timeout_s: float = option(120.0, "Wall-clock limit per rollout; the whole process group is killed.")
     retries: int = option(1, "Extra attempts after an infrastructure failure (never after an agent error).")
-    otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the agents export to.")
+    otlp_endpoint: str = option(
+        "http://127.0.0.1:4318", "Collector endpoint the agents (and the runner) export spans to: the OTLP/HTTP base "
+                                 "URL (traces go to its /v1/traces), or with otlp_protocol grpc the OTLP/gRPC endpoint.")
+    otlp_protocol: str = option(
+        "http/protobuf", "OTLP protocol of the agents' exporter. http/protobuf needs nothing beyond lightspan's agent "
+                         "side; grpc needs opentelemetry-exporter-otlp-proto-grpc (and grpcio) in the agent's "
+                         "environment.", choices=("http/protobuf", "grpc"))
     openai_base_url: str = option("http://127.0.0.1:8000/v1", "OPENAI_BASE_URL given to the agents; token ids are captured there.")
     gateway_url: str = option(
         "", "A lightspan gateway (http://HOST:PORT) in front of openai_base_url's server: agents then get "
@@ -101,8 +107,8 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
         "OTEL_RESOURCE_ATTRIBUTES": resource_attributes(resource, rollout_id, task["id"], cfg.split),
         "OTEL_SERVICE_NAME": cfg.service_name,
         "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": cfg.otlp_endpoint,
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_endpoint(cfg),
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": cfg.otlp_protocol,
         "OPENAI_BASE_URL": base_url,
         "LIGHTSPAN_CAPTURE_URLS": capture,
         "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
@@ -111,6 +117,15 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
     if version is not None:
         env["LIGHTSPAN_MODEL_VERSION"] = str(version)
     return env
+
+
+def traces_endpoint(cfg: RolloutConfig) -> str:
+    """Where spans go: OTLP/HTTP's signal URL (``.../v1/traces``; the ``_TRACES_ENDPOINT`` variable
+    is used as it is, with no path added) or the gRPC endpoint."""
+    base = cfg.otlp_endpoint.rstrip("/")
+    if cfg.otlp_protocol == "grpc" or base.endswith("/v1/traces"):
+        return base
+    return base + "/v1/traces"
 
 
 def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None) -> dict[str, str]:
@@ -168,13 +183,18 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
 
 
 def _tracer_provider(cfg: RolloutConfig):
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        exporter = GrpcExporter(endpoint=traces_endpoint(cfg), insecure=True)
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        exporter = OTLPSpanExporter(endpoint=traces_endpoint(cfg))
     provider = TracerProvider(resource=Resource.create({semconv.SERVICE_NAME: "lightspan-runner"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True)))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 

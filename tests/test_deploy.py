@@ -388,7 +388,7 @@ def test_published_ports_are_ports_the_services_listen_on_and_stay_on_loopback(s
 def test_agents_export_to_the_collector_and_call_the_served_policy(variant):
     _, collector = variant.job("collector")
     agent_name, rollout = variant.job("rollout")
-    assert host_port(rollout.config.otlp_endpoint) == ("collector", collector.config.grpc_port)
+    assert host_port(rollout.config.otlp_endpoint) == ("collector", collector.config.http_port)
     assert variant.services["agent"]["depends_on"]["collector"]["condition"] == "service_healthy"
     vllm = variant.vllm_command()
     assert host_port(rollout.config.openai_base_url) == ("vllm", int(flag(vllm, "--port")))
@@ -397,8 +397,8 @@ def test_agents_export_to_the_collector_and_call_the_served_policy(variant):
     # the agent asks for the name the trainer keeps pointing at the newest policy
     assert env_of(variant.services[agent_name])["AGENT_MODEL"] == train.config.served_model_name
     assert 'os.environ.get("AGENT_MODEL"' in (ROOT / "examples" / "math_agent.py").read_text()
-    # and with the OpenTelemetry Collector in front, to the Collector's OTLP/gRPC receiver
-    via = Stack(environ={"AGENT_OTLP_ENDPOINT": "http://otelcol:4317"})
+    # and with the OpenTelemetry Collector in front, to the Collector's OTLP/HTTP receiver
+    via = Stack(environ={"AGENT_OTLP_ENDPOINT": "http://otelcol:4318"})
     host, port = host_port(via.job("rollout")[1].config.otlp_endpoint)
     assert host == "otelcol" and port in via.listening_ports("otelcol")
 
@@ -910,16 +910,18 @@ def test_the_rollout_job_template_renders_against_the_stack(tmp_path):
     tasks.write_text((ROOT / "deploy" / "compose" / "math-tasks.jsonl").read_text())
     cfg = k8s.JobsConfig(tasks=str(tasks), data_dir=str(tmp_path), samples=2, image="lightspan:0.1.0",
                          namespace=NAMESPACE,
-                        otlp_endpoint=f"http://lightspan-collector.{NAMESPACE}:4317",
+                        otlp_endpoint=f"http://lightspan-collector.{NAMESPACE}:4318",
                         openai_base_url=f"http://vllm.{NAMESPACE}:8000/v1")
     docs = [yaml.safe_load(d) for d in k8s.render_jobs(cfg, ["python", "/app/examples/math_agent.py"])]
     assert len(docs) == 2 * len(load_tasks(tasks))
     for job in docs:
         (agent,) = job["spec"]["template"]["spec"]["containers"]
         env = k8s_env(agent)
-        grpc = {p["port"] for p in by_kind(rendered, "Service")["lightspan-collector"]["spec"]["ports"]
-                if p["name"] == "otlp-grpc"}
-        assert host_port(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])[1] in grpc
+        http = {p["port"] for p in by_kind(rendered, "Service")["lightspan-collector"]["spec"]["ports"]
+                if p["name"] == "otlp-http"}
+        assert host_port(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])[1] in http
+        assert urlsplit(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]).path == "/v1/traces"
+        assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
         resolve_service(rendered, env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
         resolve_service(rendered, env["OPENAI_BASE_URL"])
         assert agent["command"][:2] == ["opentelemetry-instrument", "python"]

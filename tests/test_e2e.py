@@ -61,7 +61,7 @@ def test_walking_skeleton(collector, vllm_server, tiny_model, tmp_path):
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"say something #{i}", "max_tokens": 16,
                                          "temperature": 0.8}) + "\n" for i in range(TASKS)))
     rollout = ["rollout", "--tasks", str(tasks), "--samples", str(SAMPLES), "--concurrency", "4",
-               "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}",
+               "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",
                "--openai-base-url", f"{vllm_server.url}/v1", "--data-dir", str(data)]
     flush = f"http://127.0.0.1:{ports['api']}/v1/flush"
     probe = [5, 80, 71, 72, 82, 220, 72, 82, 220, 64, 220, 83, 68, 82, 83]  # a fixed token sequence

@@ -51,7 +51,7 @@ def real_run(vllm_server, tiny_model, tmp_path_factory):
     collector = Collector(routes=web.routes(), config=config(data, flush_interval_s=0.5)).start()
     ReloadSync(vllm_server.url).push(str(tiny_model), 0)    # the session's vLLM may serve other weights
     try:
-        rollout = ["rollout", "--concurrency", "4", "--otlp-endpoint", f"http://127.0.0.1:{collector.grpc_port}",
+        rollout = ["rollout", "--concurrency", "4", "--otlp-endpoint", f"http://127.0.0.1:{collector.http_port}",
                    "--openai-base-url", f"{vllm_server.url}/v1", "--data-dir", str(data)]
         train_tasks = tasks_file(data / "train.jsonl", "t", 2)
         val_tasks = tasks_file(data / "val.jsonl", "v", 2)

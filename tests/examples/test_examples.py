@@ -86,7 +86,7 @@ def test_example_trains_from_its_traces(example, collector, vllm_server, tiny_mo
     ReloadSync(vllm_server.url).push(str(tiny_model), 0)  # other tests may have left other weights
     tasks, _ = small_tasks(example, tmp_path, 2)
     out = lightspan("rollout", "--tasks", str(tasks), "--samples", str(SAMPLES), "--concurrency", "4",
-                    "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--openai-base-url",
+                    "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url",
                     f"{vllm_server.url}/v1", "--data-dir", str(data), "--timeout-s", "120",
                     "--", sys.executable, str(EXAMPLES / example / "agent.py"))
     assert out["ok"] == 2 * SAMPLES, out

@@ -25,7 +25,7 @@ def _cfg(tmp_path, **kw):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "Task_7/x", "question": TRICKY}) + "\n" + json.dumps({"id": "t2"}) + "\n")
     return RolloutConfig(tasks=str(tasks), data_dir=str(tmp_path), split="val", timeout_s=90.5, retries=2,
-                         otlp_endpoint="http://lightspan.rl:4317", openai_base_url="http://vllm.rl:8000/v1", **kw)
+                         otlp_endpoint="http://lightspan.rl:4318", openai_base_url="http://vllm.rl:8000/v1", **kw)
 
 
 def test_rendered_job_is_valid_yaml_with_the_rollout_environment(tmp_path):
@@ -48,7 +48,8 @@ def test_rendered_job_is_valid_yaml_with_the_rollout_environment(tmp_path):
     assert json.loads(env["LIGHTSPAN_TASK"]) == task
     assert env["LIGHTSPAN_MODEL_VERSION"] == "3" and env["LIGHTSPAN_ROLLOUT_ID"] == "Task_7/x-0123456789ab"
     assert env["OPENAI_BASE_URL"] == env["LIGHTSPAN_CAPTURE_URLS"] == "http://vllm.rl:8000/v1"
-    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://lightspan.rl:4317"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://lightspan.rl:4318/v1/traces"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     resource = dict(kv.split("=", 1) for kv in env["OTEL_RESOURCE_ATTRIBUTES"].split(","))
     assert unquote(resource[semconv.ROLLOUT_ID]) == "Task_7/x-0123456789ab"
     assert unquote(resource[semconv.TASK_ID]) == "Task_7/x" and resource[semconv.SPLIT] == "val"

@@ -170,7 +170,7 @@ def test_framework_agent_is_captured(name, script, module, calls, disabled, coll
         recorder.exchanges.clear()
     run = subprocess.run(
         [sys.executable, "-m", "lightspan.cli", "rollout", "--tasks", str(tasks), "--samples", str(SAMPLES),
-         "--concurrency", str(SAMPLES), "--timeout-s", "240", "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}",
+         "--concurrency", str(SAMPLES), "--timeout-s", "240", "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",
          "--openai-base-url", f"{recorder.url}/v1", "--data-dir", str(data), "--logs-dir", str(tmp_path),
          "--", sys.executable, str(ROOT / script)],
         env=env, text=True, capture_output=True, timeout=600, check=False)
