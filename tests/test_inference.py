@@ -1,0 +1,179 @@
+"""``lightspan vllm``: a real vLLM started through the CLI serves tool-using agents, answers to its
+aliases, takes extra vLLM flags, and stops when it is stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from lightspan import inference, models
+from lightspan.config import ConfigError
+from tests.conftest import ARTIFACTS, free_port
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]
+
+
+def _processes_with(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``lightspan vllm`` (the CLI process) serving the tiny model as policy and gpt-4o-mini, with
+    an extra vLLM flag after --."""
+    model = models.build_tiny_model(tmp_path_factory.mktemp("vllm-cli-model") / "tiny")
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / "vllm-cli-test.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "vllm", "--model", str(model), "--port", str(port),
+                                 "--max-model-len", "1024", "--aliases", "gpt-4o-mini,claude-sonnet-4-5",
+                                 "--", "--max-num-seqs", "4"], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        inference.wait_healthy(url, proc, 300, log_path)
+        yield proc, url, model
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _processes_with(str(model)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_request_with_tools_is_served_and_its_prompt_renders_them(served):
+    _, url, model = served
+    body = {"model": "gpt-4o-mini", "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": "What is 2 + 3?"}], "tools": TOOLS, "tool_choice": "auto"}
+    resp = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    tokenizer = models.build_tokenizer()
+    prompt = tokenizer.decode(resp.json()["prompt_token_ids"])
+    assert "<tools>" in prompt and '"name": "add"' in prompt
+    # a tool turn renders too: the assistant's call and the tool's result reach the prompt
+    body["messages"] += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    resp = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    prompt = tokenizer.decode(resp.json()["prompt_token_ids"])
+    assert "<tool_call>" in prompt and "<tool_response>\n5\n</tool_response>" in prompt
+
+
+def test_every_alias_is_served(served):
+    _, url, _ = served
+    names = {m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    assert {"policy", "gpt-4o-mini", "claude-sonnet-4-5"} <= names
+
+
+def test_stopping_lightspan_vllm_stops_vllm(served):
+    proc, url, model = served
+    assert _processes_with(str(model)), "vLLM is running"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    _until(lambda: not _processes_with(str(model)), 60, "vLLM's processes did not exit")
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{url}/health", timeout=5)
+
+
+def test_a_child_gets_sigterm_when_its_parent_is_killed(tmp_path):
+    """kill -9 of `lightspan vllm` leaves no vLLM behind: the kernel signals the child (prctl)."""
+    marker = f"sleep {4000 + os.getpid() % 1000}.5"
+    code = ("import subprocess, sys; from lightspan import inference; "
+            f"subprocess.Popen({marker.split()!r}, preexec_fn=inference._die_with_parent); "
+            "print('started', flush=True); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        _until(lambda: _processes_with(marker), 10, "the child did not start")
+        parent.kill()
+        parent.wait(10)
+        _until(lambda: not _processes_with(marker), 10, "the child outlived its killed parent")
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+# --- which flags, for which model (no server) ----------------------------------------------------
+
+def _model_dir(tmp_path, template: str | None) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = {} if template is None else {"chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _cfg(model: Path, **kw) -> inference.VLLMConfig:
+    return inference.VLLMConfig(model=str(model), python=sys.executable, **kw)
+
+
+def test_a_template_that_drops_tools_is_served_wrapped_with_the_hermes_parser(tmp_path):
+    model = _model_dir(tmp_path, models.CHATML_TEMPLATE)           # like SmolLM2's: no tools in it
+    cmd = inference.command(_cfg(model))
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
+    served = Path(cmd[cmd.index("--chat-template") + 1]).read_text()
+    assert served == models.with_tool_rendering(models.CHATML_TEMPLATE)
+    # without tools the wrapped template renders exactly as the model's own
+    from jinja2 import Template
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert (Template(served).render(messages=msgs, add_generation_prompt=True, tools=None)
+            == Template(models.CHATML_TEMPLATE).render(messages=msgs, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("template, parser", [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<|python_tag|>{% endif %}", "llama3_json"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]{% endif %}", "mistral"),
+    ("{% if tools %}<tool_call>{% endif %}", "hermes"),
+])
+def test_a_template_that_renders_tools_gets_its_familys_parser(tmp_path, template, parser):
+    cmd = inference.command(_cfg(_model_dir(tmp_path, template)))
+    assert cmd[cmd.index("--tool-call-parser") + 1] == parser and "--chat-template" not in cmd
+
+
+def test_an_unknown_tool_style_or_none_turns_tool_calling_off(tmp_path, caplog):
+    model = _model_dir(tmp_path, "{% if tools %}<<call>>{% endif %}")
+    assert "--enable-auto-tool-choice" not in inference.command(_cfg(model))
+    assert "--tool-call-parser NAME" in caplog.text
+    assert "--enable-auto-tool-choice" not in inference.command(_cfg(_model_dir(tmp_path / "b", models.CHATML_TEMPLATE),
+                                                                     tool_call_parser="none"))
+    cmd = inference.command(_cfg(model, tool_call_parser="pythonic", extra_args="--max-num-seqs '8'"))
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "pythonic" and cmd[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_bad_settings_name_the_field(tmp_path):
+    model = _model_dir(tmp_path, None)
+    with pytest.raises(ConfigError, match="vllm.aliases"):
+        _cfg(model, lora_rank=16, aliases=("gpt-4o-mini",))
+    with pytest.raises(ConfigError, match="vllm.extra_args"):
+        _cfg(model, extra_args="--x 'unclosed")
+    with pytest.raises(ConfigError, match="vllm.chat_template"):
+        _cfg(model, chat_template=str(tmp_path / "missing.jinja"))
