@@ -65,6 +65,12 @@ def _transitions(cfg, args) -> int:
     return _print_json(run(cfg))
 
 
+def _judge(cfg, args) -> int:
+    from lightspan.lightningrl.judge import run
+
+    return _print_json(run(cfg))
+
+
 def _call(path: str) -> Callable:
     """A job whose component's ``run``/``serve`` takes the config alone."""
     return lambda cfg, args: _load(path)(cfg)
@@ -147,6 +153,8 @@ JOBS = {
     "transitions": Job("build training transitions from stored rollouts (LightningRL credit + GRPO advantages)",
                        _transitions, "lightspan.lightningrl.config:TransitionsConfig", "transitions",
                        actions=("build",)),
+    "reward": Job("score finished rollouts that have no reward with an LLM judge (a task's group per call, "
+                  "against a rubric)", _judge, "lightspan.lightningrl.judge:JudgeConfig", "judge", actions=("judge",)),
     "train": Job("GRPO on stored transitions; push new weights into the running vLLM",
                  _call("lightspan.trainer.loop:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
     "demo": Job("the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation",
