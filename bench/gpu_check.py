@@ -246,7 +246,8 @@ def run(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightspan.trainer.config import TrainerConfig
-    from lightspan.trainer.loop import Batch, Cursor, Trainer
+    from lightspan.trainer.batches import Batch, Cursor
+    from lightspan.trainer.loop import Trainer
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:

@@ -13,7 +13,7 @@ from lightspan import store
 from lightspan.lightningrl import builder, sequences
 from lightspan.lightningrl.config import OUTPUTS
 from lightspan.lightningrl.sequences import classify_mismatch, merge
-from lightspan.trainer.loop import collate
+from lightspan.trainer.batches import collate
 from lightspan.trainer.loss import policy_loss, token_logprobs
 from tests.lightningrl.helpers import EPS, build, call, reward, runner, write
 

@@ -11,7 +11,10 @@ from safetensors import safe_open
 from lightspan import store
 from lightspan.config import ConfigError, resolve
 from lightspan.trainer.config import TrainerConfig, parse_duration
-from lightspan.trainer.loop import CONFIG_FILE, STATE_FILE, Cursor, Trainer, collate, run
+from lightspan.trainer.batches import Cursor, collate
+from lightspan.trainer.checkpoints import CONFIG_FILE, STATE_FILE
+from lightspan.trainer.driver import run
+from lightspan.trainer.loop import Trainer
 from lightspan.trainer.loss import token_logprobs
 
 torch.set_num_threads(1)

@@ -10,7 +10,8 @@ import torch
 
 from lightspan import store
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import Trainer, run
+from lightspan.trainer.driver import run
+from lightspan.trainer.loop import Trainer
 from lightspan.trainer.metrics import COUNTERS, GAUGES, PREFIX, MetricsServer, TrainerMetrics
 from lightspan.trainer.sync import SyncError
 
