@@ -63,7 +63,8 @@ from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics
-from lightspan.trainer.sync import LoraSync, NcclSync, NoSync, ReloadSync, SyncError, WeightSync, verify
+from lightspan.trainer.nccl import NcclSync
+from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
 
