@@ -125,12 +125,6 @@ def cispo_surrogate(ratio: Tensor, logprobs: Tensor, advantages: Tensor, epsilon
     return -weight * advantages * logprobs
 
 
-def truncated_is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """(min(pi_old / pi_vllm, C), the untruncated ratio); both without gradient (Yao et al. 2025)."""
-    ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs)
-    return torch.clamp(ratio, max=cap), ratio
-
-
 def is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, mode: str, cap: float,
               floor: float = 0.0) -> tuple[Tensor, Tensor]:
     """(w, rho): the IS weight of each token (B, C) per ``mode`` (module docstring) and the raw

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from lightspan.trainer.loss import (AGGREGATIONS, BatchTotals, is_weight, k3_kl, policy_loss, token_logprobs,
-                                    truncated_is_weight)
+from lightspan.trainer.loss import AGGREGATIONS, BatchTotals, is_weight, k3_kl, policy_loss, token_logprobs
 
 torch.set_num_threads(1)
 
@@ -66,7 +65,7 @@ def test_truncated_importance_sampling():
     old = torch.log(torch.tensor([[0.3, 0.2]]))
     # pi_old / pi_vllm = 3.0 (truncated to the cap 2.0) and 0.5
     behaviour = old - torch.log(torch.tensor([[3.0, 0.5]]))
-    weight, raw = truncated_is_weight(old, behaviour, cap=2.0)
+    weight, raw = is_weight(old, behaviour, torch.ones(1, 2), mode="token_truncate", cap=2.0)   # Yao et al. 2025
     assert torch.allclose(weight, torch.tensor([[2.0, 0.5]]))
     assert torch.allclose(raw, torch.tensor([[3.0, 0.5]]))
     mask, adv = torch.ones(1, 2), torch.tensor([1.0])
