@@ -32,7 +32,7 @@ class Batch:
     rows: list[dict]                  # transitions to train on, oldest first
     cursor: Cursor                    # where the cursor goes once they are trained
     skipped_stale: int = 0            # model_version < version - max_staleness, or unknown
-    skipped_malformed: int = 0        # no tokens, logprobs misaligned, ids outside the vocab, too long
+    skipped_malformed: int = 0        # no tokens, logprobs misaligned or not finite, ids outside the vocab, too long
     zero_advantage: int = 0           # no gradient: left out of the forward pass
     reward_mean: float | None = None  # over the rollouts of the fresh transitions consumed
     staleness_mean: float = 0.0       # version - model_version over the trained rows
@@ -114,6 +114,9 @@ def micro_batches(rows: list[dict], *, rank: int, num_ranks: int, size: int, pad
 # The new transitions after the cursor, classified once. Only light columns: the token lists
 # of the rows chosen are read afterwards, by key. A temp table keeps one snapshot: files that
 # land while a batch is chosen wait for the next one instead of being skipped by the cursor.
+# A recorded logprob that is missing (null) or not finite (NaN, +-inf) makes a row malformed:
+# its importance weight would turn the whole loss NaN. list_sum adds in DOUBLE, which no float32
+# list overflows, so it is NaN or infinite exactly when an element is.
 _NEW_SQL = """
 CREATE OR REPLACE TEMP TABLE new AS
 SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
@@ -125,6 +128,8 @@ SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
                 AND list_min(completion_token_ids) >= 0 AND list_max(completion_token_ids) < $vocab
                 AND len(prompt_token_ids) + len(completion_token_ids) <= $max_len
                 AND (completion_mask IS NULL OR len(completion_mask) = len(completion_token_ids))
+                AND list_count(completion_logprobs) = len(completion_logprobs)
+                AND isfinite(list_sum(completion_logprobs))
                 AND isfinite(coalesce(advantage, 0)), false) AS wellformed,
        coalesce(advantage, 0) <> 0 AS nonzero
 FROM transitions

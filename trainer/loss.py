@@ -129,8 +129,9 @@ def is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *,
               floor: float = 0.0) -> tuple[Tensor, Tensor]:
     """(w, rho): the IS weight of each token (B, C) per ``mode`` (module docstring) and the raw
     ratio it came from, per token or, for ``sequence_*``, per sequence broadcast over its tokens.
-    No gradient. Tokens outside ``mask`` count neither in a sequence's ratio nor anywhere else."""
-    log_rho = (old_logprobs.detach() - behaviour_logprobs) * mask
+    No gradient. Tokens outside ``mask`` count neither in a sequence's ratio nor anywhere else: their
+    rho is 1 whatever was recorded there (``torch.where``, not a product: NaN x 0 is NaN)."""
+    log_rho = torch.where(mask.bool(), old_logprobs.detach() - behaviour_logprobs, 0.0)
     if mode.startswith("sequence_"):
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     rho = torch.exp(log_rho)
@@ -147,20 +148,25 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` on the tokens of ``mask``, 0 elsewhere, even where ``x`` is NaN (a product would keep it)."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
 def grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """GRPO: mean over each sequence's own tokens, then mean over the step's sequences."""
-    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_sequence = _masked(per_token, mask).sum(-1) / mask.sum(-1).clamp(min=1)
     return per_sequence.sum() / max(totals.num_sequences, 1)
 
 
 def dapo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """DAPO token-level loss: sum over all tokens / the step's number of tokens."""
-    return (per_token * mask).sum() / max(totals.num_tokens, 1)
+    return _masked(per_token, mask).sum() / max(totals.num_tokens, 1)
 
 
 def dr_grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """Dr. GRPO: sum over all tokens / (sequences x longest completion), a constant per step."""
-    return (per_token * mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
+    return _masked(per_token, mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
 
 
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
@@ -172,7 +178,7 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
+    return float(_masked(x, mask).sum() / mask.sum().clamp(min=1))
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 
 import pyarrow as pa
 import pytest
@@ -216,3 +217,18 @@ def test_the_stored_grad_norm_is_the_norm_the_step_clipped(tmp_path, tiny_model)
     assert stored == pytest.approx(expected, rel=1e-4)
     assert stored > 100 * cfg.max_grad_norm            # the norm before clipping, not after
     assert row["grad_norm"] == stored == trainer.metrics.gauges["grad_norm"]
+
+
+def test_rows_with_missing_or_non_finite_logprobs_are_malformed_and_never_reach_the_loss(tmp_path, tiny_model):
+    cfg = make_config(tmp_path, tiny_model, learning_rate=1e-2)
+    write(cfg.data_dir, good_and_bad(created=100) + [
+        transition("nan", [70, 71], 1.0, created=100, logprobs=[-5.5, float("nan")]),
+        transition("inf", [70, 71], -1.0, created=100, logprobs=[float("-inf"), -5.5]),
+        transition("null", [70, 71], 1.0, created=100, logprobs=[-5.5, None]),
+    ])
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    row = trainer.train_once()
+    assert row["skipped_malformed"] == 3 and row["num_transitions"] == 8
+    assert all(math.isfinite(row[k]) for k in ("loss", "is_ratio_mean", "grad_norm"))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
