@@ -53,7 +53,7 @@ Deviations from the papers:
    model, adapters disabled).
 7. The policy optimised is the one that sampled: logits divided by the call's sampling
    temperature, as TRL does. vLLM's processed logprobs also reflect top-k/top-p and penalties,
-   which are not reproduced: keep them off in RL rollouts (FACTS.md).
+   which are not reproduced: keep them off in RL rollouts (docs/architecture.md, "Trainer").
 8. CISPO's IS-weight clip has no lower bound (MiniMax-M1 §3.1 sets eps_low^IS large and tunes
    only eps_high^IS); its upper bound is 1 + ``epsilon_high``, the same option as the other
    losses' clip (TRL's ``cispo`` instead reads ``epsilon_high`` as the bound itself). Its

@@ -1,4 +1,5 @@
-"""The training loop on the tiny model with synthetic transitions (trainer/loop.py, config.py)."""
+"""The training loop on the tiny model with synthetic transitions (trainer/loop.py, batches.py, checkpoints.py,
+driver.py, config.py)."""
 
 import json
 import logging
