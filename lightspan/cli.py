@@ -162,7 +162,7 @@ JOBS = {
     "reward": Job("score finished rollouts that have no reward with an LLM judge (a task's group per call, "
                   "against a rubric)", _judge, "lightspan.lightningrl.judge:JudgeConfig", "judge", actions=("judge",)),
     "train": Job("GRPO on stored transitions; push new weights into the running vLLM",
-                 _call("lightspan.trainer.loop:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
+                 _call("lightspan.trainer.driver:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
     "demo": Job("the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation",
                 _call("lightspan.demo:run"), "lightspan.demo:DemoConfig", "demo"),
     "status": Job("summarise the data directory, the inference server and the latest training run",

@@ -134,7 +134,7 @@ class TrainerConfig:
             fail("sync", f"'{self.sync}' pushes full weights, but with lora_r > 0 the trainer trains only the adapter",
                  "pass --sync lora (vLLM loads the adapter), or --lora-r 0 for full fine-tuning")
         if self.sync == "nccl":
-            from lightspan.trainer.sync import nccl_problem
+            from lightspan.trainer.nccl import nccl_problem
 
             problem = nccl_problem()
             if problem:

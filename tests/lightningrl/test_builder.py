@@ -1,4 +1,4 @@
-"""The transition builder over hand-built span trees (lightningrl/builder.py, lightningrl/config.py)."""
+"""The transition builder over hand-built span trees (lightningrl/builder.py, selection.py, assignment.py, config.py)."""
 
 import math
 import random
