@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightspan.config import ConfigError, option, parse_duration  # noqa: F401 (the trainer's API too)
+from lightspan.config import ConfigError, option, parse_duration
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "trainer"

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from lightspan.config import ConfigError
+from lightspan.config import ConfigError, parse_duration
 from lightspan.progress import progress
 from lightspan.trainer import distributed as dist
-from lightspan.trainer.config import TrainerConfig, parse_duration
+from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.metrics import start_server
 from lightspan.trainer.sync import SyncError
