@@ -15,8 +15,9 @@ exits non-zero is a failed rollout, never retried: retrying would bias the sampl
 The agent runs with this environment's interpreter: a command that starts with a bare ``python``
 (``python3``, ``python3.11``) runs ``sys.executable``, and inside a virtual environment its
 ``bin`` comes first on the agent's ``PATH`` (as if it were activated), so the processes the
-agent starts by the name ``python`` (an MCP server, a tool) get the same packages. Any other
-command, or an interpreter given by its path, runs as given.
+agent starts by the name ``python`` (an MCP server, a tool) get the same packages. An interpreter
+given by its path runs as given, with its own virtual environment's ``bin`` first on ``PATH``;
+any other command runs as given.
 
 Agent Lightning's agents run unchanged: each gets ``AGL_OPENAI_BASE_URL`` (= ``OPENAI_BASE_URL``),
 ``AGL_KEY`` (= ``OPENAI_API_KEY``) and ``AGL_EVENT_URL``, the collector API's
@@ -198,13 +199,26 @@ def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: 
         if env.get(key):
             ours.pop(key)
     env.update(ours)
-    bin_dir = str(Path(sys.executable).parent)
-    if sys.prefix != sys.base_prefix and env.get("PATH", "").split(os.pathsep)[0] != bin_dir:
-        env["PATH"] = os.pathsep.join([bin_dir, *filter(None, [env.get("PATH")])])   # as if activated
     return env
 
 
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def activated_path(command: list[str], path: str) -> str:
+    """``PATH`` for the agent: the ``bin`` of the virtual environment whose interpreter runs it
+    first (this one's for a bare ``python``, or the one of an interpreter given by its path), as if
+    that environment were activated; unchanged for any other command."""
+    if not command or not _PYTHON.fullmatch(Path(command[0]).name):
+        return path
+    if "/" in command[0]:
+        bin_dir = Path(command[0]).absolute().parent
+        in_venv = (bin_dir.parent / "pyvenv.cfg").is_file()
+    else:
+        bin_dir, in_venv = Path(sys.executable).parent, sys.prefix != sys.base_prefix
+    if not in_venv or path.split(os.pathsep)[0] == str(bin_dir):
+        return path
+    return os.pathsep.join([str(bin_dir), *filter(None, [path])])
 
 
 def instrumented(command: list[str]) -> list[str]:
@@ -231,8 +245,10 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
     start = time.time_ns()
     log_file = open(logs / f"{rollout_id}.log", "wb")
+    env = agent_environment(cfg, task, rollout_id, version)
+    env["PATH"] = activated_path(command, env.get("PATH", ""))
     try:
-        proc = subprocess.Popen(instrumented(command), env=agent_environment(cfg, task, rollout_id, version),
+        proc = subprocess.Popen(instrumented(command), env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     except OSError as e:

@@ -134,9 +134,16 @@ def test_a_bare_python_is_this_environments_interpreter(tmp_path, monkeypatch):
         assert runner.instrumented([name, "a.py"])[1:] == [sys.executable, "a.py"]
     for as_given in (["/opt/other/bin/python", "a.py"], ["node", "a.js"], ["pythonista"]):
         assert runner.instrumented(as_given)[1:] == as_given
-    path = runner.agent_environment(_cfg(tmp_path), {"id": "t1"}, "r", None)["PATH"].split(":")
-    if sys.prefix != sys.base_prefix:   # in a virtual environment: as if it were activated
-        assert path[0] == str(Path(sys.executable).parent) and path[1] == str(decoy)
+    # the agent's own `python` children (an MCP server) find its interpreter first, as if its
+    # virtual environment were activated
+    if sys.prefix != sys.base_prefix:
+        assert runner.activated_path(["python", "a.py"], f"{decoy}:/bin") == f"{Path(sys.executable).parent}:{decoy}:/bin"
+    other = tmp_path / "venv"
+    (other / "bin").mkdir(parents=True)
+    (other / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert runner.activated_path([str(other / "bin" / "python3"), "a.py"], "/bin") == f"{other / 'bin'}:/bin"
+    assert runner.activated_path(["/usr/bin/python3", "a.py"], "/bin") == "/bin"      # not a venv
+    assert runner.activated_path(["node", "a.js"], "/bin") == "/bin"
 
 
 def test_agent_lightning_agents_get_their_environment(tmp_path, monkeypatch):
