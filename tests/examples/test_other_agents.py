@@ -3,10 +3,12 @@ tiny model and a real collector: Agent Lightning's own examples (calc_x, gsm8k),
 AgentChat's README orchestration, langgraph-supervisor's README quickstart and a crewAI crew.
 
 Each case runs two rollouts of one task and checks what a user would: the rollouts succeed, every
-LLM call is stored with its token ids, every rollout has its reward (Agent Lightning's reward
-events, keyed to the rollout in their ``AGL_EVENT_URL``; ``emit_reward``; or a grader's late
-reward), each call is attributed to the framework's own agent, and ``--agent-match`` selects the
-calls of the agent to train. The last test takes one training step on all the cases'
+LLM call is stored with its token ids, the agents that score themselves have their rewards (Agent
+Lightning's reward events, keyed to the rollout in their ``AGL_EVENT_URL``, or ``emit_reward``),
+each call is attributed to the framework's own agent, and ``--agent-match`` selects the
+calls of the agent to train. A grader's late reward then marks one rollout of each task solved
+(the tiny model writes random bytes and solves none), so that every group has a nonzero advantage
+and its transitions take part in training: the last test takes one training step on all the cases'
 transitions and checks that each case's are in it (one step, not one per case: each costs a
 trainer start-up).
 
@@ -149,22 +151,21 @@ def test_an_unchanged_agent_runs_is_captured_rewarded_and_attributed(case, serve
     assert all(status == "ok" and n_prompt > 0 and n_completion > 0 for _, status, n_prompt, n_completion in rows), rows
 
     # every rollout has its reward: the agent's own (an Agent Lightning reward event posted to its
-    # rollout's AGL_EVENT_URL, or emit_reward), else a grader's, which marks the first one solved
+    # rollout's AGL_EVENT_URL, or emit_reward), or none (the agent does not score itself)
     rewards = dict(con.execute("SELECT rollout_key, count(*) FROM rewards WHERE rollout_key IN (SELECT unnest(?)) "
                                "GROUP BY ALL", [rollout_ids]).fetchall())
     scopes = con.execute("SELECT DISTINCT scope_name FROM spans WHERE reward IS NOT NULL AND rollout_id IN "
                          "(SELECT unnest(?))", [rollout_ids]).fetchall()
     con.close()
-    if rewarder == "grader":
-        assert rewards == {}
-        for rid, value in zip(rollout_ids, (1.0, 0.0)):
-            requests.post(f"http://127.0.0.1:{ports['api']}/v1/rewards", json={"rollout_id": rid, "value": value},
-                          timeout=30).raise_for_status()
-        requests.post(f"http://127.0.0.1:{ports['api']}/v1/flush", timeout=60).raise_for_status()
-    else:
-        assert rewards == {rid: 1 for rid in rollout_ids}, rewards
+    assert rewards == ({} if rewarder == "grader" else {rid: 1 for rid in rollout_ids}), rewards
     if rewarder == "event":   # stored by the collector from the event, as a reward of that rollout
         assert scopes == [("lightspan.collector.rewards",)]
+    # then a grader marks the first rollout solved, the second not (the tiny model solves none):
+    # each group has a nonzero advantage, so its transitions take part in the training step
+    for rid, value in zip(rollout_ids, (1.0, 0.0)):
+        requests.post(f"http://127.0.0.1:{ports['api']}/v1/rewards", json={"rollout_id": rid, "value": value,
+                      "name": "grader"}, timeout=30).raise_for_status()
+    requests.post(f"http://127.0.0.1:{ports['api']}/v1/flush", timeout=60).raise_for_status()
 
     # each call is attributed to the framework's own agent...
     con = store.connect(data)
