@@ -1,6 +1,7 @@
 """Other people's agents, unchanged, under ``lightspan rollout`` against a real vLLM serving the
 tiny model and a real collector: Agent Lightning's own examples (calc_x, gsm8k), AutoGen
-AgentChat's README orchestration, langgraph-supervisor's README quickstart and a crewAI crew.
+AgentChat's README orchestration, langgraph-supervisor's README quickstart, a crewAI crew and an
+OpenAI Agents SDK agent with its tracing on.
 
 Each case runs two rollouts of one task and checks what a user would: the rollouts succeed, every
 LLM call is stored with its token ids, the agents that score themselves have their rewards (Agent
@@ -92,11 +93,14 @@ CASES = {
                           {}, 2, {"assistant"}, "^assistant$", "grader"),
     "langgraph_supervisor": (None, ["examples/frameworks/langgraph_supervisor_agent.py"], {}, "",
                              {}, 1, {"supervisor"}, "^supervisor$", "grader"),
+    "agents_sdk": (None, ["tests/agents/agents_sdk_agent.py"], {"prompt": "What is 2 + 3?", "answer": "5"}, "",
+                   {}, 1, {"calculator"}, "^calculator$", "agent"),
     "crewai_crew": ("crewai", ["examples/frameworks/crewai_crew.py"],
                     {"topic": "adding 2 and 3", "answer": "5", "max_tokens": 16}, "",
                     {"CREWAI_DISABLE_TELEMETRY": "true"}, 2, {"Researcher", "Writer"}, "^Writer$", "agent"),
 }
-NEEDS = {"langgraph_supervisor": ("langgraph_supervisor", "opentelemetry.instrumentation.langchain")}
+NEEDS = {"langgraph_supervisor": ("langgraph_supervisor", "opentelemetry.instrumentation.langchain"),
+         "agents_sdk": ("agents", "opentelemetry.instrumentation.openai_agents")}
 ID_RETURN = pytest.mark.xfail(strict=True, reason=(
     "Agent Lightning's CompletionAgent reads choices[0].token_ids that it never asked for (its proxy "
     "always adds return_token_ids); returning them to it is the instrumentor's part of issue 17"))
