@@ -4,9 +4,8 @@ Each rollout is one process started under ``opentelemetry-instrument`` with the 
 attributes ``lightspan.rollout.id``, ``lightspan.task.id`` and ``lightspan.split`` set through
 ``OTEL_RESOURCE_ATTRIBUTES``, so every span it exports is grouped with no code change. The task
 itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``env_map`` names).
-After the process ends, the runner
-exports one ``lightspan.runner`` span per rollout with its outcome (``ok``, ``failed``,
-``timeout``): the rollout's explicit end for the transition builder.
+After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
+outcome (``ok``, ``failed``, ``timeout``): the rollout's explicit end for the transition builder.
 
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
 (the command could not start, or died by a signal the runner did not send); an agent that
