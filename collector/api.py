@@ -10,6 +10,12 @@ sends a span with the same ids, which the collector's writer does not store twic
 received wins; collector/dedup.py). Without ``id``, a rollout has one reward per name; give ``id`` to record
 several.
 
+``POST /v1/rollouts/{rollout_id}/events`` — Agent Lightning's events (``AGL_EVENT_URL``, which
+``lightspan rollout`` sets): a reward event ``{"event_type": "reward", "data": {"value": v}}``
+becomes the reward ``{"rollout_id": rollout_id, "value": v}`` and goes the path above. Each event
+is its own reward (its id is the time it was received), so the rollout's last one is its final
+reward, as in Agent Lightning; other event types are acknowledged and counted, not stored.
+
 ``POST /v1/sql`` / ``GET /v1/sql?q=`` — read-only SQL over the store's views: one SELECT (or
 EXPLAIN) statement, on a fresh in-memory DuckDB connection from :func:`store.connect` whose
 external access is switched off once the views exist (only the data directory's tables stay
@@ -31,6 +37,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import unquote
 
 import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -139,6 +146,44 @@ def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, 
                          **{("call_span_id" if k == "span_id" else k): v for k, v in extra.items()},
                          "trace_id": trace_id.hex(), "span_id": span_id.hex()})
     return request, recorded
+
+
+# --- Agent Lightning's events ----------------------------------------------------------------------
+
+EVENTS_PATH = re.compile(r"/v1/rollouts/([^/]+)/events")
+_EVENT_KEYS = {"event_type", "data"}
+
+
+def event_rollout(path: str) -> str | None:
+    """The rollout id of an events path (``/v1/rollouts/ID/events``, ID percent-encoded), else None."""
+    match = EVENTS_PATH.fullmatch(path)
+    return unquote(match.group(1)) if match else None
+
+
+def event_reward(rollout_id: str, doc, received_unix_nano: int) -> dict | None:
+    """An Agent Lightning event posted for ``rollout_id`` as the reward :func:`reward_request`
+    takes, or None when it is not a reward event. Raises :class:`BadRequest` for a malformed one."""
+    example = '{"event_type": "reward", "data": {"value": 1.0}}'
+    if not isinstance(doc, dict):
+        raise BadRequest(f"event is not a JSON object: send {example}")
+    unknown = sorted(set(doc) - _EVENT_KEYS)
+    if unknown:
+        raise BadRequest(f"event: unknown field(s) {unknown}; known: {sorted(_EVENT_KEYS)}")
+    event_type, data = doc.get("event_type"), doc.get("data", {})
+    if not isinstance(event_type, str) or not event_type.strip():
+        raise BadRequest(f"event: 'event_type' must be a non-empty string, e.g. {example}")
+    if not isinstance(data, dict):
+        raise BadRequest(f"event: 'data' must be an object, got {type(data).__name__}")
+    if event_type != "reward":
+        return None
+    if "value" not in data:
+        raise BadRequest(f"reward event: 'data' has no 'value': send {example}")
+    reward = {"rollout_id": rollout_id, "value": data["value"], "name": "reward", "id": f"event-{received_unix_nano}",
+              "source": "agent"}        # the agent itself scored the rollout, as with emit_reward
+    note = next((data[k] for k in ("message", "reason") if isinstance(data.get(k), str) and data[k].strip()), None)
+    if note is not None:
+        reward["comment"] = note[:4096]
+    return reward
 
 
 # --- SQL -------------------------------------------------------------------------------------

@@ -35,7 +35,11 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    of the nearest span, itself included, that is an agent span: one carrying
    ``gen_ai.agent.name``, or ``gen_ai.operation.name = invoke_agent`` (named by its span name
    ``invoke_agent {name}``), or traceloop's ``traceloop.span.kind = agent`` (named by
-   ``traceloop.entity.name``); with none, to the resource's ``service.name``.
+   ``traceloop.entity.name``), or a traceloop ``task`` span whose entity name is the name of an
+   agent span of the same rollout (a LangGraph node that runs an agent's graph: langgraph-
+   supervisor's ``supervisor`` and ``create_react_agent`` agents, whose own ``invoke_agent`` span
+   is a sibling of the node's spans, not their parent); with none, to the resource's
+   ``service.name``.
 4. A group is the rollouts of one task among those kept in this build (a rollout without a
    task id is a group of its own). Rollouts already built or still incomplete never join a
    later group: a straggler that completes after its siblings were built is a group of one.

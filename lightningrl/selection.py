@@ -64,10 +64,19 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
                 CASE WHEN s.operation_name = $invoke_agent THEN nullif(trim(substr(s.name, 13)), '') END,
                 CASE WHEN s.attributes[$tl_kind] = '"agent"' THEN trim(s.attributes[$tl_entity], '"') END
        ) AS agent_label,
+       CASE WHEN s.attributes[$tl_kind] = '"task"' THEN trim(s.attributes[$tl_entity], '"') END AS task_label,
        s.reward, s.model_version, s.temperature, s.received_unix_nano,
        CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome
 FROM {source} s JOIN _lrl_files f ON f.filename = s.filename
 {where}
+"""
+
+# A task span (a LangGraph node) named after an agent of its rollout runs that agent (step 3).
+_TASK_AGENTS_SQL = """
+UPDATE _lrl_spans s SET agent_label = s.task_label
+FROM (SELECT DISTINCT rollout_key, agent_label FROM _lrl_spans WHERE agent_label IS NOT NULL) a
+WHERE s.agent_label IS NULL AND s.task_label IS NOT NULL
+  AND a.rollout_key = s.rollout_key AND a.agent_label = s.task_label
 """
 
 # Re-sent spans are rare: find them by a 64-bit hash of their ids first (then exactly), and run
@@ -312,6 +321,7 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
         copies = con.execute("SELECT sum(copies - 1) FROM _lrl_copies").fetchall()[0][0]
         if copies:
             con.execute(_DROP_COPIES_SQL)
+        con.execute(_TASK_AGENTS_SQL)
         found.scan.update(spans_read=int(read or 0), duplicate_spans=int(copies or 0))
         found.newest = max(found.newest, -1 if newest is None else int(newest))
         _select(con, config, now, reader, found)

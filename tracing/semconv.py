@@ -81,6 +81,11 @@ ROLLOUT_EXIT_CODE = "lightspan.rollout.exit_code"
 """The agent process's exit code, on the runner's outcome span."""
 ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
 """``ok``, ``failed`` or ``timeout``, on the runner's outcome span."""
+AGENT_HEADER = "x-lightspan-agent"
+"""HTTP request header by which a caller of the gateway names the agent making the call (an agent
+lightspan does not instrument, or several agents behind one base URL): the gateway's span of the
+call gets it as ``gen_ai.agent.name`` (:data:`GEN_AI_AGENT_NAME`), which the transition builder and
+``--agent-match`` read like any agent span's."""
 
 # span names lightspan itself creates
 SPAN_ROLLOUT = "lightspan.rollout"
