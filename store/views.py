@@ -50,7 +50,10 @@ _VIEWS = {
                any_value(service_name) AS service_name,
                count(*) AS num_spans,
                count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
-               arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL) AS final_reward,
+               -- the last reward that scores the whole rollout; with only calls scored, the last of those
+               coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                            AND attributes['lightspan.reward.call_span_id'] IS NULL),
+                        arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
                bool_or(status_code = 'ERROR') AS has_error,
                min(start_time_unix_nano) AS start_time_unix_nano,
                max(end_time_unix_nano) AS end_time_unix_nano,
