@@ -7,9 +7,13 @@ through the logs signal), one row per log record.
 What readers filter or join on is promoted to typed columns (DESIGN.md §3.2); every other
 attribute is kept, JSON-encoded, in the ``attributes`` / ``resource_attributes`` maps.
 
-Malformed input never raises in the middle of a batch: a span with a bad id or with token-id
-bytes whose length is not a multiple of 4 is rejected and counted, its siblings are kept
-(OTLP ``partial_success``). A promoted attribute of an unexpected type (say, a string where
+Malformed input never raises in the middle of a batch: a span with a bad id, with token-id
+bytes whose length is not a multiple of 4, or with a token-id attribute that appears twice (which
+one is the call's?) is rejected and counted, its siblings are kept (OTLP ``partial_success``).
+A span whose logprobs hold NaN or an infinity is stored without them, with capture status
+``invalid_logprobs`` (:data:`INVALID_LOGPROBS`), and the answer carries a warning: the call stays
+visible, and the transition builder treats it like any call whose capture failed (no token ids
+and logprobs to train on) instead of a rollout silently missing one of its calls. A promoted attribute of an unexpected type (say, a string where
 an int belongs) is not promoted and stays in ``attributes``, so nothing is lost.
 
 Token ids and logprobs arrive as little-endian int32/float32 bytes (``semconv.encode_ids``);
@@ -42,6 +46,7 @@ _KIND = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"} 
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 _INT64_MAX = (1 << 63) - 1
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+INVALID_LOGPROBS = "invalid_logprobs"   # lightspan.capture.status of a span stored without its logprobs
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
@@ -176,6 +181,27 @@ _PACKED_COLUMNS = {"prompt_token_ids": "<i4", "completion_token_ids": "<i4", "co
 _COLUMNS = [f.name for f in SPAN_SCHEMA]
 
 
+def _check_keys(span) -> None:
+    """Reject a span on which a token-id or logprob attribute appears more than once."""
+    seen = set()
+    for kv in span.attributes:
+        if kv.key in _PACKED_KEYS:
+            if kv.key in seen:
+                raise _Reject(f"attribute {kv.key} appears more than once")
+            seen.add(kv.key)
+
+
+def _finite_logprobs(value: AnyValue | None) -> bool:
+    """Whether every logprob (of every choice) is a finite number."""
+    if value is None:
+        return True
+    kind = value.WhichOneof("value")
+    chunks = ([value.bytes_value] if kind == "bytes_value" else
+              [v.bytes_value for v in value.array_value.values if v.WhichOneof("value") == "bytes_value"]
+              if kind == "array_value" else [])
+    return all(np.isfinite(np.frombuffer(c, dtype="<f4")).all() for c in chunks if len(c) % 4 == 0)
+
+
 def _id(data: bytes, what: str, size: int, zero: bytes) -> str:
     if len(data) != size:
         raise _Reject(f"{what} has {len(data)} bytes, want {size}")
@@ -206,6 +232,7 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
         "status_message": span.status.message or None,
         "received_unix_nano": received_unix_nano,
     }
+    _check_keys(span)
     attrs = {kv.key: kv.value for kv in span.attributes}
     keep_anyway = set()
     promoted = set()
@@ -223,6 +250,11 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
             row.setdefault("num_choices", num_choices)
         row[column] = value
         promoted.add(key)
+    if not _finite_logprobs(attrs.get(sc.COMPLETION_LOGPROBS)):
+        row["completion_logprobs"] = None        # never trained on; the raw value stays in attributes
+        row["capture_status"] = INVALID_LOGPROBS
+        keep_anyway.add(sc.COMPLETION_LOGPROBS)
+        promoted.discard(sc.CAPTURE_STATUS)      # the agent's own status, if any, stays in attributes
     promoted -= keep_anyway
     span_grouping = False
     for key, column in _FROM_RESOURCE:
@@ -293,8 +325,9 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
     return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
 
 
-def _check_span(span) -> None:
-    """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row."""
+def _check_span(span) -> bool:
+    """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row;
+    returns whether its logprobs are usable (False: stored as ``invalid_logprobs``)."""
     _id(span.trace_id, "trace_id", 16, _ZERO_TRACE)
     _id(span.span_id, "span_id", 8, _ZERO_SPAN)
     if span.parent_span_id:
@@ -303,33 +336,44 @@ def _check_span(span) -> None:
     _time(span.end_time_unix_nano, "end_time_unix_nano")
     for event in span.events:
         _time(event.time_unix_nano, "event time")
+    _check_keys(span)
+    logprobs = None
     for kv in span.attributes:
         if kv.key in _PACKED_KEYS:
             try:
                 _PACKED_KEYS[kv.key](kv.value, kv.key)
             except _Keep:
                 pass
+            if kv.key == sc.COMPLETION_LOGPROBS:
+                logprobs = kv.value
+    return _finite_logprobs(logprobs)
 
 
 _PACKED_KEYS = {key: convert for key, _, convert in _PROMOTED if convert in (_packed, _choices)}
 
 
-def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None]:
+def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str | None]:
     """What :func:`flatten` would accept, at a fraction of its cost: (spans accepted, spans
-    rejected, first rejection reason). The receivers answer with this; the writer flattens."""
-    accepted, rejected, first_error = 0, 0, None
+    rejected, first rejection reason, a warning naming the spans stored as ``invalid_logprobs`` or
+    None). The receivers answer with this; the writer flattens."""
+    accepted, rejected, first_error, unusable, first_unusable = 0, 0, None, 0, None
     for r, resource_spans in enumerate(request.resource_spans):
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    _check_span(span)
+                    usable = _check_span(span)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
                 accepted += 1
-    return accepted, rejected, first_error
+                if not usable:
+                    unusable += 1
+                    first_unusable = first_unusable or f"resource_spans[{r}].scope_spans[{s}].spans[{i}]"
+    warning = (f"{unusable} span(s) stored with capture status {INVALID_LOGPROBS} (NaN or infinite values in "
+               f"{sc.COMPLETION_LOGPROBS}: never trained on); first: {first_unusable}") if unusable else None
+    return accepted, rejected, first_error, warning
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:

@@ -431,4 +431,7 @@ def test_check_accepts_exactly_what_flatten_converts(body):
     except otlp.DecodeError:
         return
     table, rejected, first_error = otlp.flatten(request, 1)
-    assert otlp.check(request) == (table.num_rows, rejected, first_error)
+    accepted, checked_rejected, checked_error, warning = otlp.check(request)
+    assert (accepted, checked_rejected, checked_error) == (table.num_rows, rejected, first_error)
+    unusable = table.column("capture_status").to_pylist().count(otlp.INVALID_LOGPROBS)
+    assert (warning.split(" ", 1)[0] if warning else "0") == str(unusable)
