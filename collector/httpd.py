@@ -2,10 +2,10 @@
 
 Both are thin: they frame bytes, check the bearer token and the cross-site rules, and map the
 collector's :class:`~lightspan.collector.outcomes.ExportResult` to a status with ``status_for``.
-Blocking work runs in the collector's bounded thread pools, never on the event loop: protobuf
-exports (WAL write + fsync) in ``export_pool``, OTLP/JSON exports one at a time in ``json_pool``
-(decoding JSON holds several times its size), the API's flush, rewards and web UI routes in
-``query_pool``, and SQL in worker processes (:mod:`lightspan.collector.sqlpool`).
+Each request runs in its connection's thread (the connections are capped): an export's WAL
+write and fsync there (concurrent exports share an fsync), OTLP/JSON decodes one at a time
+(decoding JSON holds several times its size), SQL in worker processes
+(:mod:`lightspan.collector.sqlpool`).
 
 OTLP/HTTP: ``POST /v1/traces`` and ``POST /v1/logs``, protobuf or JSON (answered in the
 request's content type), optionally gzip/deflate; bodies are capped before and after
@@ -22,11 +22,11 @@ get 429 + Retry-After.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import ssl
+import threading
 import time
 import zlib
 from typing import TYPE_CHECKING
@@ -51,7 +51,7 @@ JSON = "application/json"
 _API_ROUTES = "GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql"
 _GET, _POST = ("/healthz", "/metrics", "/v1/sql"), ("/v1/flush", "/v1/rewards", "/v1/sql")
 _COUNTED = (403, 408, 411, 413, 415, 429, 503)
-_QUERIES_WAITING = 8          # queries that may wait for a turn beyond sql_max_concurrent
+_QUERIES_WAITING = 8          # queries that may wait for a turn beyond the ones running
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -113,14 +113,11 @@ class _Transport:
             headers["WWW-Authenticate"] = 'Bearer realm="lightspan-collector"'
         return headers
 
-    async def run(self, pool, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
 
 class OTLP(_Transport):
     """``POST /v1/traces`` and ``POST /v1/logs``: OTLP/HTTP, protobuf or JSON, optionally gzip/deflate."""
 
-    async def handle(self, request: http.Request) -> http.Response:
+    def handle(self, request: http.Request) -> http.Response:
         signal = _SIGNALS.get(request.path)
         if signal is None:
             return http.Response(404, "text/plain; charset=utf-8",
@@ -138,15 +135,15 @@ class OTLP(_Transport):
                 result = self.collector.refuse(Outcome.UNSUPPORTED, f"content type {request.content_type()!r}: "
                                                f"send {PROTOBUF} or {JSON}")
             if result is None:
-                result = await self._export(request, encoding, signal)
+                result = self._export(request, encoding, signal)
         except http.HTTPError as exc:
             close = exc.close
             result = self.collector.refuse(BY_HTTP_STATUS.get(exc.status, Outcome.INVALID), exc.message, signal)
         return self.answer(result, encoding or "json", close)
 
-    async def _export(self, request: http.Request, encoding: str, signal: str) -> ExportResult:
+    def _export(self, request: http.Request, encoding: str, signal: str) -> ExportResult:
         cap = self.config.max_http_body_bytes
-        body = await request.body(cap)
+        body = request.body(cap)
         content_encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if content_encoding != "identity":
             wbits = {"gzip": 31, "deflate": 15}.get(content_encoding)   # 31: gzip header; 15: zlib
@@ -162,8 +159,9 @@ class OTLP(_Transport):
             if len(body) > self.config.max_json_bytes:
                 return self.collector.refuse(Outcome.TOO_LARGE, f"OTLP/JSON body of {len(body)} bytes exceeds "
                                              f"max_json_bytes={self.config.max_json_bytes}")
-            return await self.run(self.collector.json_pool, self.collector.export, body, encoding, signal)
-        return await self.run(self.collector.export_pool, self.collector.export, body, encoding, signal)
+            with self.collector.json_lock:
+                return self.collector.export(body, encoding, signal)
+        return self.collector.export(body, encoding, signal)
 
     def answer(self, result: ExportResult, encoding: str, close: bool) -> http.Response:
         message = result.response() if result.status.http_status == 200 else result.rpc_status(self.config.retry_after_s)
@@ -195,18 +193,19 @@ class API(_Transport):
 
     def __init__(self, collector: "Collector"):
         super().__init__(collector)
-        self._turns: asyncio.Semaphore | None = None   # made on the server's event loop
+        self._turns = threading.BoundedSemaphore(self.config.sql_max_concurrent)
         self._waiting = 0
+        self._waiting_lock = threading.Lock()
 
-    async def handle(self, request: http.Request) -> http.Response:
+    def handle(self, request: http.Request) -> http.Response:
         try:
-            return await self._route(request)
+            return self._route(request)
         except http.HTTPError as exc:
             if exc.status in _COUNTED:     # the server's own refusals (401s are counted where they happen)
                 self.collector.metrics.refused(BY_HTTP_STATUS[exc.status])
             raise
 
-    async def _route(self, request: http.Request) -> http.Response:
+    def _route(self, request: http.Request) -> http.Response:
         self.guard.check(request)
         path, method = request.path, request.method
         if path == "/healthz" and method in ("GET", "HEAD"):   # open without the token: probes call it
@@ -218,10 +217,10 @@ class API(_Transport):
                 raise http.HTTPError(405, f"use GET on {path}", {"Allow": "GET"})
             if not added.open:
                 self.authorize(request)
-                async with self.turn():
-                    return await self.run(self.collector.query_pool, added.handler, path, request.query,
+                with self.turn():
+                    return self.run(self.collector.query_pool, added.handler, path, request.query,
                                           self.collector)
-            return await self.run(None, added.handler, path, request.query, self.collector)
+            return self.run(None, added.handler, path, request.query, self.collector)
         allowed = [m for m, paths in (("GET", _GET), ("POST", _POST)) if path in paths]
         if not allowed:
             raise http.HTTPError(404, f"not found: {self.routes_text()}")
@@ -232,13 +231,13 @@ class API(_Transport):
             return http.Response(200, "text/plain; version=0.0.4; charset=utf-8",
                                  self.collector.render_metrics().encode())
         if path == "/v1/flush":
-            return await self.flush()
+            return self.flush()
         if path == "/v1/rewards":
-            return await self.rewards(await request.json(self.config.max_json_bytes))
+            return self.rewards(request.json(self.config.max_json_bytes))
         if method == "POST":
-            doc = await request.json(self.config.max_json_bytes)
-            return await self.sql(doc.get("sql") if isinstance(doc, dict) else None)
-        return await self.sql((parse_qs(request.query).get("q") or [""])[0])
+            doc = request.json(self.config.max_json_bytes)
+            return self.sql(doc.get("sql") if isinstance(doc, dict) else None)
+        return self.sql((parse_qs(request.query).get("q") or [""])[0])
 
     def routes_text(self) -> str:
         added = [f"GET {r.prefix or r.paths[0]}" for r in self.collector.routes]
@@ -249,37 +248,36 @@ class API(_Transport):
         if refused is not None:
             raise http.HTTPError(401, refused.message, self.retry_headers(refused))
 
-    @contextlib.asynccontextmanager
-    async def turn(self):
+    @contextlib.contextmanager
+    def turn(self):
         """One of ``sql_max_concurrent`` turns to query; 429 + Retry-After when too many wait."""
-        if self._turns is None:
-            self._turns = asyncio.Semaphore(self.config.sql_max_concurrent)
-        if self._waiting >= _QUERIES_WAITING and self._turns.locked():
-            raise http.retry_later(429, f"too many queries at once (sql_max_concurrent="
-                                        f"{self.config.sql_max_concurrent}); retry later", self.config.retry_after_s)
-        self._waiting += 1
+        with self._waiting_lock:
+            if self._waiting >= _QUERIES_WAITING:
+                raise http.retry_later(429, f"too many queries at once (sql_max_concurrent="
+                                            f"{self.config.sql_max_concurrent}); retry later", self.config.retry_after_s)
+            self._waiting += 1
         try:
-            await asyncio.wait_for(self._turns.acquire(), self.config.sql_timeout_s)
-        except TimeoutError:
-            raise http.retry_later(429, "no turn to query within sql_timeout_s; retry later",
-                                   self.config.retry_after_s) from None
+            got = self._turns.acquire(timeout=self.config.sql_timeout_s)
         finally:
-            self._waiting -= 1
+            with self._waiting_lock:
+                self._waiting -= 1
+        if not got:
+            raise http.retry_later(429, "no turn to query within sql_timeout_s; retry later", self.config.retry_after_s)
         try:
             yield
         finally:
             self._turns.release()
 
-    async def flush(self) -> http.Response:
+    def flush(self) -> http.Response:
         try:
-            flushed = await self.run(self.collector.query_pool, self.collector.flush_counts)
+            flushed = self.collector.flush_counts()
         except Exception as exc:  # our own failure (disk), not the client's data: retry later
             log.exception("flush requested over the API failed")
             return http.json_response(503, {"error": f"flush failed: {exc}"},
                                       {"Retry-After": str(self.config.retry_after_s)})
         return http.json_response(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
 
-    async def rewards(self, doc) -> http.Response:
+    def rewards(self, doc) -> http.Response:
         try:
             request, recorded = api.reward_request(doc, time.time_ns())
         except api.BadRequest as exc:
@@ -287,9 +285,8 @@ class API(_Transport):
             return http.json_response(400, {"error": str(exc)})
         export = lambda req: self.collector.export(req.SerializeToString(), "protobuf")   # noqa: E731
         try:
-            async with self.turn():   # the store is read for the re-post rule
-                result = await self.run(self.collector.query_pool, self.collector.rewards.post, request, recorded,
-                                        export)
+            with self.turn():   # the store is read for the re-post rule
+                result = self.collector.rewards.post(request, recorded, export)
         except api.Conflict as exc:
             return http.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
         if result is not None and (result.outcome is not Outcome.OK or result.rejected):
@@ -299,10 +296,10 @@ class API(_Transport):
         self.collector.metrics.add("rewards_accepted_total", stored)
         return http.json_response(200, {"accepted": len(recorded), "stored": stored, "rewards": recorded})
 
-    async def sql(self, sql) -> http.Response:
+    def sql(self, sql) -> http.Response:
         try:
-            async with self.turn():
-                answer = await self.run(self.collector.query_pool, self.collector.queries.run, sql)
+            with self.turn():
+                answer = self.collector.queries.run(sql)
         except api.BadRequest as exc:
             self.collector.metrics.add("sql_errors_total")
             return http.json_response(400, {"error": str(exc)})

@@ -181,25 +181,44 @@ _PACKED_COLUMNS = {"prompt_token_ids": "<i4", "completion_token_ids": "<i4", "co
 _COLUMNS = [f.name for f in SPAN_SCHEMA]
 
 
-def _check_keys(span) -> None:
-    """Reject a span on which a token-id or logprob attribute appears more than once."""
-    seen = set()
-    for kv in span.attributes:
-        if kv.key in _PACKED_KEYS:
-            if kv.key in seen:
+def _attributes(span) -> dict:
+    """The span's attributes by key; rejects a span on which a token-id or logprob attribute
+    appears more than once (which one would be the call's?)."""
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    if len(attrs) != len(span.attributes):
+        seen = set()
+        for kv in span.attributes:
+            if kv.key in _PACKED_KEYS and kv.key in seen:
                 raise _Reject(f"attribute {kv.key} appears more than once")
             seen.add(kv.key)
+    return attrs
 
 
-def _finite_logprobs(value: AnyValue | None) -> bool:
-    """Whether every logprob (of every choice) is a finite number."""
-    if value is None:
-        return True
+def _logprob_chunks(value: AnyValue) -> list[bytes]:
+    """The float32 bytes of every choice's logprobs."""
     kind = value.WhichOneof("value")
-    chunks = ([value.bytes_value] if kind == "bytes_value" else
-              [v.bytes_value for v in value.array_value.values if v.WhichOneof("value") == "bytes_value"]
-              if kind == "array_value" else [])
-    return all(np.isfinite(np.frombuffer(c, dtype="<f4")).all() for c in chunks if len(c) % 4 == 0)
+    if kind == "bytes_value":
+        return [value.bytes_value]
+    if kind == "array_value":
+        return [v.bytes_value for v in value.array_value.values if v.WhichOneof("value") == "bytes_value"]
+    return []
+
+
+def _all_finite(chunks: list[bytes]) -> bool:
+    """Whether every float32 in ``chunks`` is finite: one numpy pass for a whole request."""
+    data = b"".join(c for c in chunks if len(c) % 4 == 0)
+    return bool(np.isfinite(np.frombuffer(data, dtype="<f4")).all())
+
+
+def _unusable(row: dict, attrs: dict) -> None:
+    """A row whose logprobs hold NaN or an infinity: stored without them, as INVALID_LOGPROBS; the
+    raw value (and the agent's own capture status) stay in ``attributes``."""
+    row["completion_logprobs"] = None
+    row["capture_status"] = INVALID_LOGPROBS
+    kept = {key for key, _ in row["attributes"]}
+    row["attributes"] = row["attributes"] + [(key, _dumps(_py(attrs[key])))
+                                             for key in (sc.COMPLETION_LOGPROBS, sc.CAPTURE_STATUS)
+                                             if key in attrs and key not in kept]
 
 
 def _id(data: bytes, what: str, size: int, zero: bytes) -> str:
@@ -216,8 +235,8 @@ def _time(ns: int, what: str) -> int:
     return ns
 
 
-def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) -> dict:
-    """One row as a column → value dict. Raises _Reject for a malformed span."""
+def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) -> tuple[dict, dict]:
+    """One row as a column → value dict, and the span's attributes. Raises _Reject for a malformed span."""
     row = {
         "trace_id": _id(span.trace_id, "trace_id", 16, _ZERO_TRACE),
         "span_id": _id(span.span_id, "span_id", 8, _ZERO_SPAN),
@@ -232,8 +251,7 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
         "status_message": span.status.message or None,
         "received_unix_nano": received_unix_nano,
     }
-    _check_keys(span)
-    attrs = {kv.key: kv.value for kv in span.attributes}
+    attrs = _attributes(span)
     keep_anyway = set()
     promoted = set()
     for key, column, convert in _PROMOTED:
@@ -250,11 +268,6 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
             row.setdefault("num_choices", num_choices)
         row[column] = value
         promoted.add(key)
-    if not _finite_logprobs(attrs.get(sc.COMPLETION_LOGPROBS)):
-        row["completion_logprobs"] = None        # never trained on; the raw value stays in attributes
-        row["capture_status"] = INVALID_LOGPROBS
-        keep_anyway.add(sc.COMPLETION_LOGPROBS)
-        promoted.discard(sc.CAPTURE_STATUS)      # the agent's own status, if any, stays in attributes
     promoted -= keep_anyway
     span_grouping = False
     for key, column in _FROM_RESOURCE:
@@ -269,7 +282,7 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
                       "attributes": _json_object(e.attributes)} for e in span.events]
     row["links"] = [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
                      "attributes": _json_object(link.attributes)} for link in span.links]
-    return row
+    return row, attrs
 
 
 def _resource(resource_spans) -> dict:
@@ -299,7 +312,7 @@ def _packed_array(chunks: list, dtype: str, type_: pa.DataType) -> pa.Array:
 
 def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tuple[pa.Table, int, str | None]:
     """One row per span in ``SPAN_SCHEMA``; returns (table, spans rejected, first rejection reason)."""
-    columns: dict[str, list] = {name: [] for name in _COLUMNS}
+    rows, spans_attrs = [], []
     rejected, first_error = 0, None
     for r, resource_spans in enumerate(request.resource_spans):
         resource = _resource(resource_spans)
@@ -307,14 +320,25 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
             scope_name = scope_spans.scope.name
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    row = _span_row(span, scope_name, resource, received_unix_nano)
+                    row, attrs = _span_row(span, scope_name, resource, received_unix_nano)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
-                for name in _COLUMNS:
-                    columns[name].append(row.get(name))
+                rows.append(row)
+                spans_attrs.append(attrs)
+
+    def logprobs(row: dict, attrs: dict) -> list[bytes]:   # choice 0 is in the row; more choices are rare
+        if (row.get("num_choices") or 1) > 1 and sc.COMPLETION_LOGPROBS in attrs:
+            return _logprob_chunks(attrs[sc.COMPLETION_LOGPROBS])
+        return [row["completion_logprobs"]] if row.get("completion_logprobs") else []
+
+    if not _all_finite([c for row, attrs in zip(rows, spans_attrs) for c in logprobs(row, attrs)]):
+        for row, attrs in zip(rows, spans_attrs):
+            if not _all_finite(logprobs(row, attrs)):
+                _unusable(row, attrs)
+    columns = {name: [row.get(name) for row in rows] for name in _COLUMNS}
     arrays = []
     for field in SPAN_SCHEMA:
         values = columns[field.name]
@@ -325,9 +349,9 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
     return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
 
 
-def _check_span(span) -> bool:
+def _check_span(span) -> AnyValue | None:
     """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row;
-    returns whether its logprobs are usable (False: stored as ``invalid_logprobs``)."""
+    returns its logprobs attribute (see :func:`_unusable`)."""
     _id(span.trace_id, "trace_id", 16, _ZERO_TRACE)
     _id(span.span_id, "span_id", 8, _ZERO_SPAN)
     if span.parent_span_id:
@@ -336,41 +360,50 @@ def _check_span(span) -> bool:
     _time(span.end_time_unix_nano, "end_time_unix_nano")
     for event in span.events:
         _time(event.time_unix_nano, "event time")
-    _check_keys(span)
-    logprobs = None
+    seen, logprobs = 0, None
     for kv in span.attributes:
-        if kv.key in _PACKED_KEYS:
+        key = kv.key
+        if key in _PACKED_KEYS:
+            convert, bit = _PACKED_KEYS[key]
+            if seen & bit:
+                raise _Reject(f"attribute {key} appears more than once")
+            seen |= bit
             try:
-                _PACKED_KEYS[kv.key](kv.value, kv.key)
-            except _Keep:
-                pass
-            if kv.key == sc.COMPLETION_LOGPROBS:
+                convert(kv.value, key)
+            except _Keep:   # not promoted: stays in attributes, never trained on
+                continue
+            if key == sc.COMPLETION_LOGPROBS:
                 logprobs = kv.value
-    return _finite_logprobs(logprobs)
+    return logprobs
 
 
-_PACKED_KEYS = {key: convert for key, _, convert in _PROMOTED if convert in (_packed, _choices)}
+# token-id and logprob keys: (converter, a bit of their own, to find a key given twice)
+_PACKED_KEYS = {key: (convert, 1 << n) for n, (key, _, convert) in
+                enumerate(p for p in _PROMOTED if p[2] in (_packed, _choices))}
 
 
 def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str | None]:
     """What :func:`flatten` would accept, at a fraction of its cost: (spans accepted, spans
     rejected, first rejection reason, a warning naming the spans stored as ``invalid_logprobs`` or
     None). The receivers answer with this; the writer flattens."""
-    accepted, rejected, first_error, unusable, first_unusable = 0, 0, None, 0, None
+    accepted, rejected, first_error, with_logprobs = 0, 0, None, []
     for r, resource_spans in enumerate(request.resource_spans):
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    usable = _check_span(span)
+                    logprobs = _check_span(span)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
                 accepted += 1
-                if not usable:
-                    unusable += 1
-                    first_unusable = first_unusable or f"resource_spans[{r}].scope_spans[{s}].spans[{i}]"
+                if logprobs is not None:
+                    with_logprobs.append(((r, s, i), _logprob_chunks(logprobs)))
+    unusable, first_unusable = 0, None
+    if with_logprobs and not _all_finite([c for _, chunks in with_logprobs for c in chunks]):
+        bad = [where for where, chunks in with_logprobs if not _all_finite(chunks)]
+        unusable, first_unusable = len(bad), "resource_spans[{}].scope_spans[{}].spans[{}]".format(*bad[0])
     warning = (f"{unusable} span(s) stored with capture status {INVALID_LOGPROBS} (NaN or infinite values in "
                f"{sc.COMPLETION_LOGPROBS}: never trained on); first: {first_unusable}") if unusable else None
     return accepted, rejected, first_error, warning

@@ -27,7 +27,6 @@ import os
 import signal
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 from lightspan import http
@@ -47,7 +46,6 @@ __all__ = ["Collector", "CollectorError", "ExportResult", "Outcome", "Status", "
            "EXPORT_METHOD", "LOGS_EXPORT_METHOD", "RETRY_INFO_KEY", "TRACES_PATH", "LOGS_PATH"]
 
 log = logging.getLogger(__name__)
-_EXPORT_WORKERS = 4     # threads that run protobuf exports for the HTTP port (WAL write + fsync)
 
 
 class Collector:
@@ -73,9 +71,7 @@ class Collector:
         self._grpc: GrpcReceiver | None = None
         self._http: http.Server | None = None
         self._api: http.Server | None = None
-        self.export_pool: futures.ThreadPoolExecutor | None = None
-        self.json_pool: futures.ThreadPoolExecutor | None = None
-        self.query_pool: futures.ThreadPoolExecutor | None = None
+        self.json_lock = threading.Lock()     # OTLP/JSON bodies are decoded one at a time
 
     # --- ports ---
     @property
@@ -119,9 +115,6 @@ class Collector:
             except BaseException:
                 self._unbind()
                 raise
-            self.export_pool = futures.ThreadPoolExecutor(_EXPORT_WORKERS, "lightspan-collector-export")
-            self.json_pool = futures.ThreadPoolExecutor(1, "lightspan-collector-json")   # one JSON decode at a time
-            self.query_pool = futures.ThreadPoolExecutor(self.config.sql_max_concurrent + 2, "lightspan-collector-api")
             self.queries = sqlpool.QueryPool(self.config)
             self.writer.start()
             self._grpc.start()
@@ -140,11 +133,8 @@ class Collector:
                 return
             self._grpc.stop()                 # in-flight RPCs finish first
             self._http.stop()
-            self.export_pool.shutdown(wait=True)
-            self.json_pool.shutdown(wait=True)
             self.writer.stop()                # a late export is refused; the rest goes to Parquet
             self._api.stop()
-            self.query_pool.shutdown(wait=False)
             self.queries.close()
             self._state = "stopped"
             log.info("collector stopped")
@@ -249,7 +239,7 @@ class Collector:
                 "fsync_seconds_count": wal.fsync_count if wal else 0,
                 "inflight_bytes": self.budget.held,
                 "connections": sum(s.connections for s in servers),
-                "connections_refused_total": sum(s.refused[0] for s in servers),
+                "connections_refused_total": sum(s.refused for s in servers),
                 "running": self.running,
                 "limits": {"max_queue_bytes": self.config.max_queue_bytes,
                            "max_inflight_bytes": self.config.max_inflight_bytes}}

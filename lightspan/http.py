@@ -1,26 +1,28 @@
-"""The one HTTP server of every lightspan service: uvicorn (h11) under bounds set by construction.
+"""The one HTTP server of every lightspan service: the standard library's, hardened, in one place.
 
-The collector's OTLP/HTTP receiver and API, the gateway and the trainer's metrics page are ASGI
-handlers served by :class:`Server`, which runs a uvicorn server on its own event loop in a daemon
-thread (``start()`` binds and returns the port, fails fast with ``OSError``; ``stop()`` drains and
-may be followed by ``start()`` again). What a server holds is bounded (:class:`Limits`):
+The collector's OTLP/HTTP receiver and API, the gateway and the trainer's metrics page are
+handlers served by :class:`Server` (``http.server`` underneath: a thread per connection, keep-alive,
+chunked streaming; ``start()`` binds and returns the port, failing fast with ``OSError``; ``stop()``
+may be followed by ``start()`` again). uvicorn was measured against it on the collector's ingest
+benchmark and was slower on small requests (bench/README.md), so the bounds are built here.
+What a server holds is bounded (:class:`Limits`):
 
-- **connections**: past ``max_connections`` open connections a new one is answered 503 with
-  ``Retry-After`` and closed; past twice that it is closed at once (file descriptors stay free
-  for the WAL, Parquet and compaction);
+- **connections** (and so threads): past ``max_connections`` open connections a new one is
+  answered 503 with ``Retry-After`` and closed; past twice that it is closed at once, so file
+  descriptors stay free for the WAL, Parquet and compaction;
 - **read time**: a request's head and body must arrive within ``read_timeout_s`` of its first
-  byte (a fresh connection must send one within it too); a handler reading a body answers 408
-  when the time is up, and the connection is closed a second later in any case, so a client that
-  never sends its body holds nothing for long;
+  byte (every read waits only for the time left, so a client dripping bytes gains nothing); past
+  it the request is answered 408 and its connection closed; an idle keep-alive connection is
+  closed after ``idle_timeout_s``;
 - **request bytes**: the bodies being read or handled share one :class:`ByteBudget` (one per
   server, or one shared by several servers and gRPC); a body that does not fit is refused with
   503 + ``Retry-After``; each body is also capped by its route (413);
-- **head size** (``max_head_bytes``), **idle keep-alive** (``idle_timeout_s``) and the **listen
+- **head size** (64 KiB a line, 100 header lines: the standard library's limits) and the **listen
   backlog** (``backlog``).
 
-A handler is ``async def handler(request: Request) -> Response | None`` (None once it has
-streamed its own answer with :meth:`Request.start` and :meth:`Request.write`); raising
-:class:`HTTPError` answers ``{"error": message}`` with that status.
+A handler is ``handler(request: Request) -> Response | None`` (None once it has streamed its own
+answer with :meth:`Request.start` and :meth:`Request.write`); raising :class:`HTTPError` answers
+``{"error": message}`` with that status.
 
 Cross-site use (:class:`Guard`): a ``Host`` header must name the machine (an IP literal, or
 ``localhost``) or one of the configured names, so a DNS-rebinding page cannot read or write;
@@ -31,57 +33,53 @@ allowed one; JSON routes refuse other content types (:meth:`Request.json`), so a
 
 from __future__ import annotations
 
-import asyncio
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import socket
 import ssl
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
 
-import h11
 import orjson
-import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lightspan.config import is_loopback
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+DRAIN_LIMIT = 8 * MiB     # a refused body up to this size is read and dropped, so the client reads our answer
 _STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
-_BACKSTOP_S = 1.0     # the protocol closes a request this long after the handler's own deadline
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one server may hold. The defaults suit a service on one machine."""
-    max_connections: int = 256          # open connections; past it, 503 + Retry-After and close
+    max_connections: int = 256          # open connections (one thread each); past it, 503 and close
     max_inflight_bytes: int = 256 * MiB  # request body bytes held at once (a private budget)
     read_timeout_s: float = 30.0        # a request's head and body, from its first byte
     idle_timeout_s: float = 60.0        # an idle keep-alive connection is closed after this
     backlog: int = 1024                 # connections the kernel queues before accept()
-    max_head_bytes: int = 64 << 10      # request line and headers
     retry_after_s: int = 1              # Retry-After of the server's own 503s
 
 
 class ByteBudget:
-    """Bytes held by request handlers, across threads (the event loop, gRPC's workers)."""
+    """Bytes held by request handlers, across threads (every connection, gRPC's workers)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
-        self.refused = 0
         self._lock = threading.Lock()
 
     def take(self, n: int) -> bool:
         with self._lock:
             if self.held + n > self.limit and self.held:   # an empty budget admits any one request
-                self.refused += 1
                 return False
             self.held += n
             return True
@@ -126,117 +124,15 @@ class HTTPError(Exception):
         self.status, self.message, self.headers, self.close = status, message, dict(headers or {}), close
 
     def response(self) -> Response:
-        headers = {**self.headers, **({"Connection": "close"} if self.close else {})}
-        return json_response(self.status, {"error": self.message}, headers)
+        return json_response(self.status, {"error": self.message}, self.headers)
 
 
-def retry_later(status: int, message: str, retry_after_s: int) -> HTTPError:
-    return HTTPError(status, message, {"Retry-After": str(retry_after_s)}, close=True)
+def retry_later(status: int, message: str, retry_after_s: int, *, close: bool = False) -> HTTPError:
+    return HTTPError(status, message, {"Retry-After": str(retry_after_s)}, close=close)
 
 
-class Request:
-    """One request: its method, path, query and headers (lower-case names), and its body."""
-
-    def __init__(self, scope, receive, send, limits: Limits, budget: ByteBudget):
-        self.scope, self._receive, self._send = scope, receive, send
-        self.limits, self.budget = limits, budget
-        self.method: str = scope["method"]
-        self.raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        self.path: str = scope["path"]
-        self.query: str = scope["query_string"].decode("latin-1")
-        self.headers: dict[str, str] = {}
-        for name, value in scope["headers"]:   # a repeated header: the values joined, as HTTP allows
-            key, text = name.decode("latin-1"), value.decode("latin-1")
-            self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text
-        self.held = 0                          # budget bytes this request holds
-        self.started = False                   # a streamed answer has begun
-        self.deadline = asyncio.get_running_loop().time() + limits.read_timeout_s
-
-    @property
-    def content_length(self) -> int | None:
-        value = self.headers.get("content-length")
-        if value is None:
-            return None
-        if not value.isdigit():
-            raise HTTPError(400, f"bad Content-Length {value[:40]!r}", close=True)
-        return int(value)
-
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "").split(";")[0].strip().lower()
-
-    async def body(self, limit: int, *, what: str = "request body") -> bytes:
-        """The whole body, at most ``limit`` bytes (413 past it), within the read deadline (408),
-        within the server's byte budget (503 + Retry-After)."""
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            raise HTTPError(411, "chunked bodies are not accepted: send Content-Length", close=True)
-        length = self.content_length
-        if length is None:
-            if self.method in _STATE_CHANGING:
-                raise HTTPError(411, "a Content-Length header is required", close=True)
-            length = 0
-        if length > limit:
-            raise HTTPError(413, f"{what} of {length} bytes exceeds the limit of {limit} bytes", close=True)
-        if not self.budget.take(length):
-            raise retry_later(503, f"too many request bytes in flight (limit {self.budget.limit}); retry later",
-                              self.limits.retry_after_s)
-        self.held += length
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout_at(self.deadline):   # one deadline for the whole body
-                while size < length:
-                    message = await self._receive()
-                    if message["type"] == "http.disconnect":
-                        raise HTTPError(400, f"the client left after {size} of {length} bytes", close=True)
-                    chunk = message.get("body", b"")
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            raise HTTPError(408, f"the body did not arrive within {self.limits.read_timeout_s:g} s "
-                                 f"({size} of {length} bytes)", close=True) from None
-        if size != length:
-            raise HTTPError(400, f"body ended after {size} of {length} bytes", close=True)
-        return b"".join(chunks)
-
-    def hold(self, n: int) -> None:
-        """Count ``n`` more bytes against the budget (what decoding a body will hold)."""
-        if not self.budget.take(n):
-            raise retry_later(503, "too many request bytes in flight; retry later", self.limits.retry_after_s)
-        self.held += n
-
-    async def json(self, limit: int):
-        """The body as JSON (``application/json`` only: 415 otherwise; 400 when it is not JSON)."""
-        length = self.content_length
-        kind = self.content_type()
-        if kind != "application/json" and not kind.endswith("+json"):
-            raise HTTPError(415, f"content type {kind or 'none'!r}: send application/json", close=bool(length))
-        return decode_json(await self.body(limit))
-
-    def watch_disconnect(self) -> asyncio.Task:
-        """A task done when the client goes away (call once the body has been read; cancel it after)."""
-        async def wait() -> None:
-            while (await self._receive())["type"] != "http.disconnect":
-                pass
-        return asyncio.ensure_future(wait())
-
-    async def start(self, status: int, headers: dict) -> None:
-        """Begin a streamed answer (chunked); then :meth:`write` its parts and ``write(b"", end=True)``."""
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-
-    async def write(self, data: bytes, *, end: bool = False) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": not end})
-
-    async def answer(self, response: Response) -> None:
-        headers = {"content-type": response.content_type, "content-length": str(len(response.body)),
-                   **{k.lower(): str(v) for k, v in response.headers.items()}}
-        await self._send({"type": "http.response.start", "status": response.status, "headers": _encode(headers)})
-        await self._send({"type": "http.response.body", "body": response.body})
-
-
-def _encode(headers: dict) -> list[tuple[bytes, bytes]]:
-    return [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
+class ClientGone(Exception):
+    """The client closed its connection while a streamed answer was being written."""
 
 
 def decode_json(body: bytes):
@@ -247,32 +143,124 @@ def decode_json(body: bytes):
         raise HTTPError(400, f"body is not JSON: {exc}") from None
 
 
-Handler = Callable[[Request], Awaitable[Response | None]]
+class Request:
+    """One request: its method, path, query and headers (lower-case names), and its body."""
 
+    def __init__(self, handler: "_Handler"):
+        self._handler = handler
+        self.limits: Limits = handler.server.limits
+        self.budget: ByteBudget = handler.server.budget
+        self.method: str = handler.command
+        target = urlsplit(handler.path)
+        self.raw_path: bytes = target.path.encode("latin-1")
+        self.path: str = unquote(target.path)
+        self.query: str = target.query
+        self.headers: dict[str, str] = {}
+        for name, value in handler.headers.items():   # a repeated header: the values joined, as HTTP allows
+            key = name.lower()
+            self.headers[key] = f"{self.headers[key]}, {value}" if key in self.headers else value
+        self.held = 0              # budget bytes this request holds
+        self.started = False       # a streamed answer has begun
+        self.body_read = False
 
-def asgi(handler: Handler, limits: Limits, budget: ByteBudget, name: str):
-    """The ASGI application of ``handler``: errors answered, the budget given back, never a 500
-    for the client's data (a handler's own bug is logged and answered 500)."""
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("content-length")
+        if value is None:
+            return None
+        if not value.strip().isdigit():
+            raise HTTPError(400, f"bad Content-Length {value[:40]!r}", close=True)
+        return int(value)
 
-    async def app(scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        request = Request(scope, receive, send, limits, budget)
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";")[0].strip().lower()
+
+    def body(self, limit: int, *, what: str = "request body") -> bytes:
+        """The whole body, at most ``limit`` bytes (413 past it), within the read deadline (408),
+        within the server's byte budget (503 + Retry-After)."""
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            raise HTTPError(411, "chunked bodies are not accepted: send Content-Length", close=True)
+        length = self.content_length
+        if length is None:
+            if self.method in _STATE_CHANGING:
+                raise HTTPError(411, "a Content-Length header is required", close=True)
+            length = 0
+        if length > limit:
+            self._drain(length)
+            raise HTTPError(413, f"{what} of {length} bytes exceeds the limit of {limit} bytes",
+                            close=length > DRAIN_LIMIT)
+        if not self.budget.take(length):
+            self._drain(length)
+            raise retry_later(503, f"too many request bytes in flight (limit {self.budget.limit}); retry later",
+                              self.limits.retry_after_s, close=length > DRAIN_LIMIT)
+        self.held += length
+        self.body_read = True
         try:
-            try:
-                response = await handler(request)
-            except HTTPError as exc:
-                response = exc.response()
-            except Exception as exc:
-                log.exception("%s: error answering %s %s", name, request.method, request.path)
-                if request.started:
-                    raise
-                response = HTTPError(500, f"internal error: {type(exc).__name__}", close=True).response()
-            if response is not None and not request.started:
-                await request.answer(response)
-        finally:
-            budget.give(request.held)
-    return app
+            data = self._handler.rfile.read(length) if length else b""
+        except TimeoutError:
+            raise HTTPError(408, f"the request did not arrive within read_timeout_s={self.limits.read_timeout_s:g}",
+                            close=True) from None
+        except OSError as exc:
+            raise HTTPError(400, f"the connection failed while reading the body: {exc}", close=True) from None
+        if len(data) != length:
+            raise HTTPError(400, f"body ended after {len(data)} of {length} bytes", close=True)
+        return data
+
+    def _drain(self, length: int) -> None:
+        """Read and drop a body we will not use (small ones only), so the client reads our answer."""
+        self.body_read = True
+        if length > DRAIN_LIMIT:
+            return
+        try:
+            while length > 0:
+                chunk = self._handler.rfile.read(min(length, 1 << 16))
+                if not chunk:
+                    break
+                length -= len(chunk)
+        except OSError:
+            self._handler.close_connection = True
+
+    def hold(self, n: int) -> None:
+        """Count ``n`` more bytes against the budget (what decoding a body will hold)."""
+        if not self.budget.take(n):
+            raise retry_later(503, "too many request bytes in flight; retry later", self.limits.retry_after_s)
+        self.held += n
+
+    def json(self, limit: int):
+        """The body as JSON (``application/json`` only: 415 otherwise; 400 when it is not JSON)."""
+        kind = self.content_type()
+        if kind != "application/json" and not kind.endswith("+json"):
+            self._drain(self.content_length or 0)
+            raise HTTPError(415, f"content type {kind or 'none'!r}: send application/json")
+        return decode_json(self.body(limit))
+
+    def start(self, status: int, headers: dict) -> None:
+        """Begin a streamed (chunked) answer; then :meth:`write` its parts and ``write(b"", end=True)``."""
+        h = self._handler
+        self.started = True
+        h.connection.settimeout(self.limits.idle_timeout_s)   # a client that stops reading is dropped
+        h.send_response(status)
+        for name, value in headers.items():
+            h.send_header(name, str(value))
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+    def write(self, data: bytes, *, end: bool = False) -> None:
+        """One part of a streamed answer (raises :class:`ClientGone` when the client has left)."""
+        frame = (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (b"0\r\n\r\n" if end else b"")
+        try:
+            self._handler.wfile.write(frame)
+            self._handler.wfile.flush()
+        except OSError as exc:
+            self._handler.close_connection = True
+            raise ClientGone() from exc
+
+    def abandon(self) -> None:
+        """End a streamed answer without its terminator: the client sees the stream broke off."""
+        self._handler.close_connection = True
+
+
+Handler = Callable[[Request], Response | None]
 
 
 # --- cross-site use --------------------------------------------------------------------------------
@@ -312,104 +300,190 @@ class Guard:
             # an IP literal cannot be a rebinding attack: the attacker's page would have its own name
             if not (_is_ip(name) or is_loopback(name) or self._named(name)):
                 raise HTTPError(403, f"Host {host[:80]!r} is not served here (DNS-rebinding guard): "
-                                     f"add it to {self.field}", close=True)
+                                     f"add it to {self.field}")
         origin = request.headers.get("origin")
         if origin is not None and request.method in _STATE_CHANGING:
             netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
             name = _host_name(netloc) if netloc else ""
             if not name or not (netloc == (host or "").strip().lower() or is_loopback(name) or self._named(name)):
-                raise HTTPError(403, f"cross-site request from Origin {origin[:80]!r} refused; "
-                                     f"a browser page may call this server from its own origin or one in {self.field}",
-                                close=True)
+                raise HTTPError(403, f"cross-site request from Origin {origin[:80]!r} refused; a browser page may "
+                                     f"call this server from its own origin or one in {self.field}")
 
 
 # --- the server ------------------------------------------------------------------------------------
 
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a connection cap and a deadline on each request's arrival."""
+class _DeadlineIO(io.RawIOBase):
+    """A connection's socket, read under the current request's deadline: a new connection's first
+    byte may wait ``read_timeout_s``, a kept-alive one's next request ``idle_timeout_s``; from a
+    request's first byte on, every read waits only for what is left of ``read_timeout_s``."""
 
-    limits: Limits              # set on the per-server subclass
-    refused: list[int]          # [connections refused], shared with the Server
+    def __init__(self, sock: socket.socket, limits: Limits):
+        self.sock, self.limits = sock, limits
+        self.deadline: float | None = None    # None: between requests
+        self.idle_s = limits.read_timeout_s   # until a first request has been answered
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.limit_concurrency = None         # replaced by the cap below, which sends Retry-After
-        self._over_cap = False
-        self._timer: asyncio.TimerHandle | None = None
-        app = self.app
+    def readable(self) -> bool:
+        return True
 
-        async def gated(scope, receive, send):   # this connection's requests, over the cap: 503
-            if self._over_cap:
-                body = b'{"error": "too many connections; retry later"}'
-                await send({"type": "http.response.start", "status": 503, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(self.limits.retry_after_s).encode()), (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
-                return
-            await app(scope, receive, send)
-        self.app = gated
-
-    def connection_made(self, transport) -> None:
-        open_ = len(self.connections)
-        if open_ >= 2 * self.limits.max_connections:   # not even a 503: keep descriptors free
-            self.transport = transport
-            self.refused[0] += 1
-            transport.abort()
-            return
-        super().connection_made(transport)
-        if open_ >= self.limits.max_connections:
-            self._over_cap = True
-            self.refused[0] += 1
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        state = self.conn.their_state
-        if state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            self._arm()                       # a request has begun to arrive: it has until the deadline
+    def readinto(self, buffer) -> int:
+        if self.deadline is None:
+            self.sock.settimeout(self.idle_s)
         else:
-            self._disarm()
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("read_timeout_s")
+            self.sock.settimeout(left)
+        n = self.sock.recv_into(buffer)
+        if self.deadline is None and n:
+            self.deadline = time.monotonic() + self.limits.read_timeout_s
+        return n
 
-    def connection_lost(self, exc) -> None:
-        self._disarm()
-        if self.flow is None:                 # aborted in connection_made
-            self.connections.discard(self)
-            return
-        super().connection_lost(exc)
 
-    def _arm(self) -> None:
-        if self._timer is None:
-            self._timer = self.loop.call_later(self.limits.read_timeout_s + _BACKSTOP_S, self._expired)
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"   # keep-alive: exporters and agents reuse their connection
+    # TCP_NODELAY: the headers and the body go out in two writes; with Nagle the second waits for
+    # the client's delayed ACK (40 ms a request on Linux loopback)
+    disable_nagle_algorithm = True
+    server: "_HTTPServer"
 
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.reader = _DeadlineIO(self.connection, self.server.limits)
+        self.rfile = io.BufferedReader(self.reader, 1 << 16)
 
-    def _expired(self) -> None:
-        self._timer = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            log.debug("closing a connection whose request did not arrive within %g s", self.limits.read_timeout_s)
-            self.transport.close()
+    def handle_one_request(self) -> None:
+        if self.reader.deadline is not None:     # a request was answered: the next may wait longer
+            self.reader.idle_s = self.server.limits.idle_timeout_s
+        self.reader.deadline = None
+        self.server.mark(self.connection, idle=True)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        self.server.mark(self.connection, idle=False)    # a request has arrived: not idle until answered
+        return super().parse_request()
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _dispatch(self) -> None:
+        server = self.server
+        request = Request(self)
+        try:
+            if server.over_cap():
+                self.close_connection = True
+                response = retry_later(503, "too many connections; retry later", server.limits.retry_after_s).response()
+            else:
+                response = self._run(request)
+            if response is not None and not request.started:
+                self._answer(response, request)
+        finally:
+            server.budget.give(request.held)
+
+    def _run(self, request: Request) -> Response | None:
+        try:
+            return self.server.app(request)
+        except HTTPError as exc:
+            if exc.close:
+                self.close_connection = True
+            return exc.response()
+        except ClientGone:
+            return None
+        except Exception as exc:
+            log.exception("%s: error answering %s %s", self.server.name, request.method, request.path)
+            self.close_connection = True
+            return None if request.started else HTTPError(500, f"internal error: {type(exc).__name__}").response()
+
+    def _answer(self, response: Response, request: Request) -> None:
+        length = request.content_length if "content-length" in request.headers else 0
+        if not request.body_read and length:
+            request._drain(length)    # an unread body: drop it so the connection stays usable
+            if length > DRAIN_LIMIT:
+                self.close_connection = True
+        self.connection.settimeout(self.server.limits.idle_timeout_s)
+        self.send_response(response.status)
+        headers = {"Content-Type": response.content_type, "Content-Length": str(len(response.body)),
+                   **response.headers}
+        if self.close_connection:
+            headers["Connection"] = "close"
+        for name, value in headers.items():
+            self.send_header(name, str(value))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, app: Handler, limits: Limits, budget: ByteBudget, tls, name: str):
+        self.app, self.limits, self.budget, self.tls, self.name = app, limits, budget, tls, name
+        self.request_queue_size = limits.backlog
+        self.open: dict[socket.socket, bool] = {}     # connection -> idle (waiting for a request)
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address) -> None:
+        with self._lock:
+            count = len(self.open)
+            if count >= self.limits.max_connections:
+                self.refused += 1
+            if count >= 2 * self.limits.max_connections:   # not even a 503: keep descriptors free
+                request.close()
+                return
+            self.open[request] = False
+        threading.Thread(target=self._connection, args=(request, client_address, count >= self.limits.max_connections),
+                         name=f"{self.name}-connection", daemon=True).start()
+
+    def _connection(self, sock: socket.socket, client_address, over_cap: bool) -> None:
+        conn = sock
+        try:
+            if self.tls is not None:
+                sock.settimeout(self.limits.read_timeout_s)   # the handshake runs here, in the connection's thread
+                conn = self.tls.wrap_socket(sock, server_side=True)
+                with self._lock:
+                    self.open.pop(sock, None)
+                    self.open[conn] = False
+            self._local.over_cap = over_cap
+            self.RequestHandlerClass(conn, client_address, self)
+        except (ssl.SSLError, ConnectionError, TimeoutError) as exc:
+            log.debug("connection from %s dropped: %s", client_address, exc)
+        except Exception:
+            log.exception("%s: unexpected error serving %s", self.name, client_address)
+        finally:
+            with self._lock:
+                self.open.pop(conn, None)
+                self.open.pop(sock, None)
+            _shut(conn)
+            conn.close()
+
+    def over_cap(self) -> bool:
+        return getattr(self._local, "over_cap", False)
+
+    def mark(self, conn: socket.socket, *, idle: bool) -> None:
+        with self._lock:
+            if conn in self.open:
+                self.open[conn] = idle
 
 
 class Server:
-    """One ASGI ``handler`` on ``host:port`` (0 = any free port), served from a daemon thread."""
+    """One ``handler`` on ``host:port`` (0 = any free port), served from a daemon thread."""
 
     def __init__(self, handler: Handler, host: str, port: int, *, limits: Limits = Limits(),
-                 budget: ByteBudget | None = None, tls: ssl.SSLContext | None = None, name: str = "lightspan",
-                 on_stop: Callable[[], Awaitable[None]] | None = None):
-        """``on_stop``: a coroutine run on the server's event loop once it has stopped serving
-        (to close what the handler opened there, e.g. an HTTP client's connections)."""
+                 budget: ByteBudget | None = None, tls: ssl.SSLContext | None = None, name: str = "lightspan"):
         self.handler, self.host, self.requested_port = handler, host.strip("[]"), port
-        self.on_stop = on_stop
         self.limits, self.tls, self.name = limits, tls, name
         self.budget = budget or ByteBudget(limits.max_inflight_bytes)
         self.port: int | None = None
-        self.refused = [0]
+        self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._uvicorn: uvicorn.Server | None = None
-        self._socket: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -418,64 +492,62 @@ class Server:
 
     @property
     def connections(self) -> int:
-        return len(self._uvicorn.server_state.connections) if self._uvicorn else 0
+        return len(self._server.open) if self._server else 0
+
+    @property
+    def refused(self) -> int:
+        """Connections refused because ``max_connections`` were open."""
+        return self._server.refused if self._server else 0
 
     def bind(self) -> int:
         """Open the listening socket (``OSError`` when the address is taken); returns the port."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._socket = socket.create_server((self.host, self.requested_port), family=family,
-                                            backlog=self.limits.backlog)
-        self.port = self._socket.getsockname()[1]
+        self._server = _HTTPServer((self.host, self.requested_port), self.handler, self.limits, self.budget,
+                                   self.tls, self.name)
+        self.port = self._server.server_address[1]
         return self.port
 
     def start(self) -> int:
-        """Bind (unless :meth:`bind` did) and serve; returns the port once it accepts connections."""
-        if self._socket is None:
+        """Bind (unless :meth:`bind` did) and serve; returns the port."""
+        if self._server is None:
             self.bind()
-        protocol = type("Protocol", (_Protocol,), {"limits": self.limits, "refused": self.refused})
-        tls = self.tls
-        config = uvicorn.Config(
-            asgi(self.handler, self.limits, self.budget, self.name), http=protocol, lifespan="off",
-            interface="asgi3", log_config=None, access_log=False, proxy_headers=False, server_header=False,
-            backlog=self.limits.backlog, timeout_keep_alive=self.limits.idle_timeout_s,
-            h11_max_incomplete_event_size=self.limits.max_head_bytes, timeout_graceful_shutdown=5,
-            ssl_context_factory=(lambda _config, _default: tls) if tls else None,
-            ws="none")
-        config.load()
-        self._uvicorn = uvicorn.Server(config)
-        self._uvicorn.lifespan = config.lifespan_class(config)   # what uvicorn's serve() would set
-        ready, failed = threading.Event(), []
-
-        async def main() -> None:
-            try:
-                await self._uvicorn.startup(sockets=[self._socket])
-            except BaseException as exc:   # noqa: BLE001 (reported to start())
-                failed.append(exc)
-                ready.set()
-                return
-            ready.set()
-            await self._uvicorn.main_loop()
-            await self._uvicorn.shutdown(sockets=[self._socket])
-            if self.on_stop is not None:
-                await self.on_stop()
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name=f"{self.name}-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name=f"{self.name}-http", daemon=True)
         self._thread.start()
-        ready.wait()
-        if failed:
-            self.close()
-            raise failed[0]
         return self.port
 
-    def stop(self) -> None:
-        """Stop accepting, let the requests in progress finish (5 s at most), close. Idempotent."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, give the requests in progress ``grace_s``, close every connection. Idempotent."""
+        if self._server is None:
+            return
         if self._thread is not None:
-            self._uvicorn.should_exit = True
-            self._thread.join(timeout=15)
+            self._server.shutdown()
+            self._thread.join()
             self._thread = None
+        deadline = time.monotonic() + grace_s
+        while self._server.open and time.monotonic() < deadline:
+            for sock, idle in list(self._server.open.items()):   # idle keep-alive connections: end them now
+                if idle:
+                    _shut_reading(sock)
+            time.sleep(0.02)
+        for sock in list(self._server.open):
+            _shut(sock)
         self.close()
 
     def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        if self._server is not None:
+            self._server.server_close()
+            self._server = None
+
+
+def _shut_reading(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

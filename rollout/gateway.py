@@ -36,7 +36,6 @@ non-loopback bind needs ``admin_token`` (compared in constant time) unless
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import signal
@@ -44,14 +43,16 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
+from http.cookiejar import CookiePolicy
 from urllib.parse import parse_qs, urlsplit
 
-import httpx
+import requests
+import urllib3
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lightspan import http, store
+from lightspan import http
 from lightspan.config import ConfigError, is_loopback, option
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
@@ -114,6 +115,23 @@ class GatewayConfig:
                               "gateway.allow_no_admin_token = true to run without one on purpose")
 
 
+class _NoCookies(CookiePolicy):
+    """The upstream session keeps no cookie: one caller's Set-Cookie never reaches another's call."""
+    netscape, rfc2965, hide_cookie2 = True, False, False
+
+    def set_ok(self, cookie, request) -> bool:
+        return False
+
+    def return_ok(self, cookie, request) -> bool:
+        return False
+
+    def domain_return_ok(self, domain, request) -> bool:
+        return False
+
+    def path_return_ok(self, path, request) -> bool:
+        return False
+
+
 def _error(code: int, message: str, headers: dict | None = None) -> http.Response:
     """An OpenAI-style error answer."""
     doc = {"error": {"message": message, "type": HTTPStatus(code).phrase, "code": code}}
@@ -131,7 +149,11 @@ class Gateway:
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
-        self._client: httpx.AsyncHTTPTransport | None = None   # made on the server's loop
+        self.session = requests.Session()
+        self.session.cookies.set_policy(_NoCookies())
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=cfg.max_in_flight)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
         self._server: http.Server | None = None
 
     @property
@@ -144,8 +166,7 @@ class Gateway:
         limits = http.Limits(max_connections=self.cfg.max_connections, read_timeout_s=self.cfg.read_timeout_s,
                              retry_after_s=self.cfg.retry_after_s,
                              max_inflight_bytes=max(256 << 20, 4 * self.cfg.max_body_bytes))
-        self._server = http.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits,
-                                   name="lightspan-gateway", on_stop=self._close_client)
+        self._server = http.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits, name="lightspan-gateway")
         self._server.start()
         log.info("gateway on %s -> %s", self.url, self.upstream)
         return self.url
@@ -156,31 +177,26 @@ class Gateway:
         self._server.stop()
         self._server = None
 
-    async def _close_client(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
     def status(self) -> dict:
         a = self.admission
         with a.cond:
             return {"paused": a.paused, "in_flight": a.in_flight, "model_version": self.version.get(), **a.counts}
 
     # --- routes ------------------------------------------------------------------------------
-    async def handle(self, request: http.Request) -> http.Response | None:
+    def handle(self, request: http.Request) -> http.Response | None:
         try:
-            return await self._route(request)
+            return self._route(request)
         except http.HTTPError as exc:
             headers = {**exc.headers, **({"Connection": "close"} if exc.close else {})}
             return _error(exc.status, exc.message, headers)
 
-    async def _route(self, request: http.Request) -> http.Response | None:
+    def _route(self, request: http.Request) -> http.Response | None:
         self.guard.check(request)
         path, method = request.path, request.method
         if path == "/health" and method == "GET":
             return http.json_response(200, {"status": "ok", "paused": self.admission.paused})
         if path.startswith("/admin/"):
-            return await self._admin(request)
+            return self._admin(request)
         raw = request.raw_path.decode("latin-1")
         why = protocols.unsafe(raw)
         if why:
@@ -197,11 +213,11 @@ class Gateway:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
         if endpoint.operation is None:
-            return await self._passthrough(request, upstream)
-        return await self._generate(request, endpoint.operation, upstream,
+            return self._passthrough(request, upstream)
+        return self._generate(request, endpoint.operation, upstream,
                                     call_attributes(path_attrs, request.headers))
 
-    async def _admin(self, request: http.Request) -> http.Response:
+    def _admin(self, request: http.Request) -> http.Response:
         if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
             raise http.HTTPError(401, "admin routes need 'Authorization: Bearer <admin_token>'")
         action = {("GET", "/admin/status"): None, ("POST", "/admin/pause"): self._pause,
@@ -211,10 +227,10 @@ class Gateway:
                 raise http.HTTPError(405, f"method {request.method} not allowed on {request.path}")
             raise http.HTTPError(404, "admin routes: GET /admin/status, POST /admin/pause, POST /admin/resume")
         run = action[(request.method, request.path)]
-        return http.json_response(200, self.status()) if run is None else await run(request)
+        return http.json_response(200, self.status()) if run is None else run(request)
 
-    async def _pause(self, request: http.Request) -> http.Response:
-        await request.body(_ADMIN_BODY_BYTES)   # read and ignored
+    def _pause(self, request: http.Request) -> http.Response:
+        request.body(_ADMIN_BODY_BYTES)   # read and ignored
         value = (parse_qs(request.query).get("timeout_s") or [self.cfg.drain_timeout_s])[0]
         try:
             timeout = float(value)
@@ -222,13 +238,13 @@ class Gateway:
                 raise ValueError(value)
         except ValueError:
             raise http.HTTPError(400, f"timeout_s={str(value)[:40]!r} is not a number of seconds >= 0") from None
-        drained = await asyncio.to_thread(self.admission.pause, timeout)
+        drained = self.admission.pause(timeout)
         return http.json_response(200 if drained else 504, {"drained": drained, **self.status()})
 
-    async def _resume(self, request: http.Request) -> http.Response:
+    def _resume(self, request: http.Request) -> http.Response:
         version = None
         if request.content_length:
-            doc = await request.json(_ADMIN_BODY_BYTES)
+            doc = request.json(_ADMIN_BODY_BYTES)
             if doc is not None and not isinstance(doc, dict):
                 raise http.HTTPError(400, 'body must be JSON like {"model_version": 3}')
             version = (doc or {}).get("model_version")
@@ -236,7 +252,7 @@ class Gateway:
                                         or not 0 <= version < 1 << 63):
                 raise http.HTTPError(400, f"model_version must be a whole number >= 0, got {str(version)[:40]}")
         else:
-            await request.body(0)
+            request.body(0)
         if version is not None:
             self.version.override = version
         self.admission.resume()
@@ -245,35 +261,27 @@ class Gateway:
     # --- upstream ----------------------------------------------------------------------------
     def _upstream_headers(self, request: http.Request) -> dict[str, str]:
         headers = {k: request.headers[k] for k in _FORWARDED_HEADERS if request.headers.get(k)}
-        headers["content-type"] = "application/json"
+        headers["Content-Type"] = "application/json"
         return headers
 
-    async def _send(self, method: str, upstream: str, headers: dict, body: bytes) -> httpx.Response:
-        """One request to vLLM on a transport that follows no redirects and keeps no cookies."""
-        if self._client is None:
-            pool = self.cfg.max_in_flight + 16
-            self._client = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=pool,
-                                                                        max_keepalive_connections=pool))
-        timeout = self.cfg.upstream_timeout_s
-        outgoing = httpx.Request(method, self.upstream + upstream, headers=headers, content=body,
-                                 extensions={"timeout": {"connect": 5.0, "read": timeout, "write": timeout,
-                                                         "pool": timeout}})
-        return await self._client.handle_async_request(outgoing)
+    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False):
+        """One request to vLLM: no redirects followed, no cookies kept (see :class:`_NoCookies`)."""
+        return self.session.request(method, self.upstream + upstream, data=body, headers=headers, stream=stream,
+                                    allow_redirects=False, timeout=(5, self.cfg.upstream_timeout_s))
 
-    async def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
+    def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
         """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …)."""
-        body = await request.body(self.cfg.max_body_bytes)
+        body = request.body(self.cfg.max_body_bytes)
         try:
-            resp = await self._send(request.method, upstream, self._upstream_headers(request), body)
-            content = await resp.aread()
-        except httpx.HTTPError as e:
+            resp = self._send(request.method, upstream, self._upstream_headers(request), body)
+        except requests.RequestException as e:
             return _error(502, f"upstream unreachable: {e}")
-        return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), content)
+        return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------
-    async def _generate(self, request: http.Request, op: str, upstream: str, ids: dict) -> http.Response | None:
+    def _generate(self, request: http.Request, op: str, upstream: str, ids: dict) -> http.Response | None:
         # the whole body first: a client that never sends it holds no slot
-        asked = await request.json(self.cfg.max_body_bytes)
+        asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
             raise http.HTTPError(400, "request body is not a JSON object")
         refused = self.admission.enter()
@@ -281,11 +289,11 @@ class Gateway:
             raise http.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
-            return await self._traced(request, op, upstream, asked, ids)
+            return self._traced(request, op, upstream, asked, ids)
         finally:
             self.admission.leave()
 
-    async def _traced(self, request: http.Request, op: str, upstream: str, asked: dict, ids: dict):
+    def _traced(self, request: http.Request, op: str, upstream: str, asked: dict, ids: dict):
         model = str(asked.get("model", ""))
         parent = _PROPAGATOR.extract(request.headers)
         attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model, **ids}
@@ -297,23 +305,24 @@ class Gateway:
         _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))  # vLLM's own spans join ours
         complete = False
         try:
+            stream = bool(asked.get("stream"))
             try:
-                resp = await self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode())
-            except httpx.HTTPError as e:
+                resp = self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode(), stream)
+            except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
                 return _error(502, f"upstream unreachable: {e}")
             if resp.status_code != 200:
-                content = await resp.aread()
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
-                return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), content)
+                return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"),
+                                     resp.content)
             cap, texts = Capture.for_request(asked, op), OutputTexts(op)
-            if asked.get("stream"):
-                complete = await self._relay(request, resp, cap, texts)
+            if stream:
+                complete = self._relay(request, resp, cap, texts)
                 answer = None
             else:
                 try:
-                    payload = loads(await resp.aread())
-                except (ValueError, httpx.HTTPError) as e:
+                    payload = loads(resp.content)
+                except (ValueError, requests.RequestException) as e:
                     self._upstream_failed(span, f"upstream answer unreadable: {e}")
                     return _error(502, f"upstream answer unreadable: {e}")
                 cap.add(payload, hide=self.cfg.strip_capture_fields)  # the fields only the gateway asked for: null
@@ -330,8 +339,11 @@ class Gateway:
             # the span ends before the answer's last bytes go out: a caller that has its answer
             # can count on the span having been handed to the exporter
             span.end()
-        if answer is None and complete:
-            await request.write(b"", end=True)   # the stream's end, after the span
+        if answer is None:
+            if complete:
+                request.write(b"", end=True)   # the stream's end, after the span
+            else:
+                request.abandon()              # unterminated: the caller sees the break
         return answer
 
     def _upstream_failed(self, span, message: str, code: int | None = None) -> None:
@@ -341,46 +353,50 @@ class Gateway:
         span.set_status(Status(StatusCode.ERROR, message))
         self.admission.count("upstream_errors")
 
-    async def _relay(self, request: http.Request, resp: httpx.Response, cap: Capture, texts: OutputTexts) -> bool:
-        """Relay vLLM's server-sent events as they arrive; True when ``[DONE]`` was seen and the
-        caller is still there (the stream's end is left to the caller, after the span has ended)."""
+    def _relay(self, request: http.Request, resp, cap: Capture, texts: OutputTexts) -> bool:
+        """Relay vLLM's server-sent events as they arrive; True when ``[DONE]`` was seen (the
+        stream's end is left to the caller, after the span has ended)."""
         strip = self.cfg.strip_capture_fields
-        await request.start(200, {"content-type": resp.headers.get("content-type", "text/event-stream"),
-                                  "cache-control": "no-cache"})
-        gone = request.watch_disconnect()
-        done, pending = False, b""
+        request.start(200, {"Content-Type": resp.headers.get("content-type", "text/event-stream"),
+                            "Cache-Control": "no-cache"})
+        done = False
         try:
-            async for data in resp.aiter_raw():
-                *lines, pending = (pending + data).split(b"\n")
-                out = []
-                for line in lines:
-                    line = line.rstrip(b"\r")
-                    if not line.startswith(b"data:"):
-                        if line:   # event:, id:, comments: as they came
-                            out.append(line + b"\n")
-                        continue
-                    event = line[5:].strip()
-                    if event == b"[DONE]":
-                        done = True
-                    elif event.startswith(b"{"):
-                        chunk = loads(event)
-                        cap.add(chunk, hide=strip)
-                        texts.add(chunk)
-                        if strip:
-                            event = dumps(chunk).encode()
-                    out.append(b"data: " + event + b"\n\n")
-                if gone.done():
-                    log.info("the caller left mid-stream")
-                    return False
-                if out:
-                    await request.write(b"".join(out))
-        except (httpx.HTTPError, ValueError) as e:
+            for line in _lines(resp.raw):
+                if not line.startswith(b"data:"):
+                    if line:  # event:, id:, comments: as they came
+                        request.write(line + b"\n")
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                elif data.startswith(b"{"):
+                    chunk = loads(data)
+                    cap.add(chunk, hide=strip)
+                    texts.add(chunk)
+                    if strip:
+                        data = dumps(chunk).encode()
+                request.write(b"data: " + data + b"\n\n")
+        except http.ClientGone:
+            log.info("the caller left mid-stream")
+            return False
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError) as e:
             log.warning("upstream stream broke off: %s", e)
-            return False          # the answer stays unterminated: the caller sees the break
+            return False
         finally:
-            gone.cancel()
-            await resp.aclose()
-        return done and not gone.done()
+            resp.close()
+        return done
+
+
+def _lines(raw):
+    """Lines of a streamed body as soon as they arrive, chunked or not (``iter_lines`` would wait
+    for a full read of a body that is not chunk-encoded)."""
+    pending = b""
+    while data := raw.read1(65536, decode_content=True):
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if pending:
+        yield pending.rstrip(b"\r")
 
 
 def _tracer_provider(cfg: GatewayConfig):

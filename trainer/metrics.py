@@ -121,7 +121,7 @@ class MetricsServer:
     whatever name or address it was given, so any ``Host`` is answered."""
 
     def __init__(self, metrics: TrainerMetrics, host: str, port: int):
-        async def handle(request: http.Request) -> http.Response:
+        def handle(request: http.Request) -> http.Response:
             if request.path != "/metrics":
                 return http.Response(404, "text/plain; charset=utf-8", b"only /metrics is served here\n")
             if request.method not in ("GET", "HEAD"):
