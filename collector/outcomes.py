@@ -76,14 +76,15 @@ class ExportResult:
         return status_for(self.outcome)
 
     def response(self) -> ExportTraceServiceResponse | ExportLogsServiceResponse:
+        # a message with nothing rejected is an OTLP warning (spans stored, but marked unusable)
         if self.signal == "logs":
             response = ExportLogsServiceResponse()
-            if self.rejected:
+            if self.rejected or self.message:
                 response.partial_success.rejected_log_records = self.rejected
                 response.partial_success.error_message = self.message
             return response
         response = ExportTraceServiceResponse()
-        if self.rejected:
+        if self.rejected or self.message:
             response.partial_success.rejected_spans = self.rejected
             response.partial_success.error_message = self.message
         return response
