@@ -942,7 +942,7 @@ def test_the_collector_manifest_requires_its_token_and_the_agents_send_it(render
     assert job.config.auth_token == SECRET_VALUE and "lightspan-collector.lightspan" in job.config.allowed_hosts
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t1"}\n')
-    cfg = k8s.JobsConfig(tasks=str(tasks), data_dir=str(tmp_path), image="agent:1", namespace=NAMESPACE)
+    cfg = k8s.JobsConfig(tasks=str(tasks), data_dir=str(tmp_path), image="agent:1", namespace=NAMESPACE, samples=1)
     (doc,) = [yaml.safe_load(d) for d in k8s.render_jobs(cfg, ["python", "agent.py"])]
     (agent,) = doc["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in agent["env"]}
