@@ -218,9 +218,8 @@ class API(_Transport):
             if not added.open:
                 self.authorize(request)
                 with self.turn():
-                    return self.run(self.collector.query_pool, added.handler, path, request.query,
-                                          self.collector)
-            return self.run(None, added.handler, path, request.query, self.collector)
+                    return added.handler(path, request.query, self.collector)
+            return added.handler(path, request.query, self.collector)
         allowed = [m for m, paths in (("GET", _GET), ("POST", _POST)) if path in paths]
         if not allowed:
             raise http.HTTPError(404, f"not found: {self.routes_text()}")
