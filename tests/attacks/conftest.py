@@ -12,8 +12,8 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
-import psutil
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -108,6 +108,10 @@ def gateway_factory(tmp_path):
         gw.stop()
 
 
+def port_of(gw: Gateway) -> int:
+    return urlsplit(gw.url).port
+
+
 def raw_request(port: int, request: bytes, timeout: float = 10.0) -> bytes:
     """Send bytes as they are (no client-side normalisation of the path) and read the whole answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -124,15 +128,24 @@ def status_of(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
+def rss_bytes(pid: str = "self") -> int:
+    """VmRSS of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
 class PeakRSS:
     """The peak resident memory of this process (or ``pid``) while the block runs, sampled every 5 ms."""
 
     def __init__(self, pid: int | None = None):
-        self.process = psutil.Process(pid)
+        self.pid = str(pid) if pid else "self"
         self.baseline = self.peak = 0
 
     def __enter__(self) -> "PeakRSS":
-        self.baseline = self.peak = self.process.memory_info().rss
+        self.baseline = self.peak = rss_bytes(self.pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -140,7 +153,7 @@ class PeakRSS:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.peak = max(self.peak, rss_bytes(self.pid))
             time.sleep(0.005)
 
     def __exit__(self, *exc) -> None:

@@ -33,13 +33,19 @@ def sql(collector, statement: str, **kwargs):
     return requests.post(api_url(collector, "/v1/sql"), json={"sql": statement}, timeout=60, **kwargs)
 
 
-def one_span(logprobs: bytes | None = None, repeat_ids: bytes | None = None, tag: int = 1) -> bytes:
+def one_span(logprobs: bytes | None = None, repeat_ids: bytes | None = None, tag: int = 1,
+             sibling: bool = False) -> bytes:
+    """A request with one chat span (and, with ``sibling``, a valid span beside it)."""
     request = ExportTraceServiceRequest()
     rs = request.resource_spans.add()
     rs.resource.attributes.add(key=sc.ROLLOUT_ID).value.string_value = f"attack-{tag}"
-    span = rs.scope_spans.add().spans.add(trace_id=tag.to_bytes(16, "big"), span_id=b"\x01" * 8, name="chat",
-                                          start_time_unix_nano=1_700_000_000_000_000_000,
-                                          end_time_unix_nano=1_700_000_000_100_000_000)
+    scope = rs.scope_spans.add()
+    if sibling:
+        scope.spans.add(trace_id=tag.to_bytes(16, "big"), span_id=b"\x02" * 8, name="agent",
+                        start_time_unix_nano=1_700_000_000_000_000_000, end_time_unix_nano=1_700_000_000_200_000_000)
+    span = scope.spans.add(trace_id=tag.to_bytes(16, "big"), span_id=b"\x01" * 8, name="chat",
+                           start_time_unix_nano=1_700_000_000_000_000_000,
+                           end_time_unix_nano=1_700_000_000_100_000_000)
     attrs = [(sc.GEN_AI_OPERATION_NAME, "chat"), (sc.PROMPT_TOKEN_IDS, sc.encode_ids([1, 2, 3])),
              (sc.COMPLETION_TOKEN_IDS, sc.encode_ids([4, 5])),
              (sc.COMPLETION_LOGPROBS, logprobs if logprobs is not None else sc.encode_floats([-0.5, -1.0])),
@@ -234,9 +240,12 @@ def test_a_reward_posted_again_after_the_window_and_a_restart_is_stored_once(dat
     try:
         url = api_url(again, "/v1/rewards")
         same = requests.post(url, json={"rollout_id": "r1", "value": 0.5}, timeout=10)
-        assert same.status_code == 200 and same.json()["rewards"][0]["status"] == "already_stored"
+        assert same.status_code == 200
+        again.flush()
+        assert query(data_dir, "SELECT reward FROM rewards") == [(0.5,)]    # not stored twice
         changed = requests.post(url, json={"rollout_id": "r1", "value": 1.0}, timeout=10)
-        assert changed.status_code == 409 and "new 'id'" in changed.json()["error"]
+        assert changed.status_code == 409 and "new 'id'" in changed.json()["error"]   # never dropped silently
+        assert same.json()["rewards"][0]["status"] == "already_stored"
         correction = requests.post(url, json={"rollout_id": "r1", "value": 1.0, "id": "fix-1"}, timeout=10)
         assert correction.status_code == 200 and correction.json()["stored"] == 1
         again.flush()
@@ -252,12 +261,12 @@ def test_a_reward_posted_again_after_the_window_and_a_restart_is_stored_once(dat
 def test_a_span_whose_token_id_key_repeats_is_rejected_and_not_stored(collector_factory, data_dir, first_copy,
                                                                        message):
     collector = collector_factory()
-    answer, error = grpc_call(collector, one_span(repeat_ids=first_copy))
+    answer, error = grpc_call(collector, one_span(repeat_ids=first_copy, sibling=True))
     assert error is None
     partial = ExportTraceServiceResponse.FromString(answer).partial_success
     assert partial.rejected_spans == 1 and message in partial.error_message
     collector.flush()
-    assert raw_rows(data_dir) == 0
+    assert query(data_dir, "SELECT name FROM spans") == [("agent",)]      # the sibling only
 
 
 def test_a_non_loopback_bind_without_a_token_refuses_to_start(tmp_path):

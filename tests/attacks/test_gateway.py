@@ -19,7 +19,7 @@ import requests
 from lightspan.config import ConfigError
 from lightspan.rollout.gateway import GatewayConfig
 from lightspan.rollout.protocols import ENDPOINTS
-from tests.attacks.conftest import CHAT, Upstream, raw_request, status_of
+from tests.attacks.conftest import CHAT, Upstream, port_of, raw_request, status_of
 
 TOKEN = "gateway-admin-token"
 
@@ -33,7 +33,7 @@ ESCAPES = ["/v1/../sleep", "/v1/../../collective_rpc", "/v1/..", "/v1/%2e%2e/pau
 def test_a_path_never_escapes_the_table_into_vllm(gateway_factory, upstream, path):
     gw = gateway_factory(upstream)
     for method in ("GET", "POST"):
-        answer = raw_request(gw._server.port, f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        answer = raw_request(port_of(gw), f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                                               f"application/json\r\nContent-Length: 2\r\n\r\n{{}}".encode())
         assert status_of(answer) in (400, 404), answer[:300]
     assert upstream.requests == []             # nothing reached vLLM
@@ -49,7 +49,7 @@ def test_a_body_that_never_arrives_holds_no_slot(gateway_factory, upstream):
     gw = gateway_factory(upstream, max_in_flight=2, read_timeout_s=1.0)
     stalled = []
     for _ in range(10):
-        sock = socket.create_connection(("127.0.0.1", gw._server.port))
+        sock = socket.create_connection(("127.0.0.1", port_of(gw)))
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100000\r\n\r\n{\"model\"")
         stalled.append(sock)
@@ -74,7 +74,7 @@ def test_a_body_that_never_arrives_holds_no_slot(gateway_factory, upstream):
 
 def test_admin_routes_refuse_cross_site_use(gateway_factory, upstream):
     gw = gateway_factory(upstream)
-    port = gw._server.port
+    port = port_of(gw)
     rebinding = requests.post(f"{gw.url}/admin/pause?timeout_s=0", headers={"Host": f"attacker.example:{port}"},
                               timeout=10)
     assert rebinding.status_code == 403
@@ -168,7 +168,7 @@ def test_a_non_loopback_bind_without_an_admin_token_refuses_to_start():
 
 def test_connections_past_the_cap_are_refused_and_the_gateway_recovers(gateway_factory, upstream):
     gw = gateway_factory(upstream, max_connections=4, read_timeout_s=2.0)
-    idle = [socket.create_connection(("127.0.0.1", gw._server.port)) for _ in range(4)]
+    idle = [socket.create_connection(("127.0.0.1", port_of(gw))) for _ in range(4)]
     try:
         deadline = time.monotonic() + 5
         while gw._server.connections < 4 and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightspan.rollout.protocols import ENDPOINTS
-from tests.attacks.conftest import CHAT, Upstream, gateway_factory  # noqa: F401 (fixture)
+from tests.attacks.conftest import CHAT, Upstream, gateway_factory, port_of  # noqa: F401 (fixture)
 
 TOKEN = "fuzz-admin-token"
 FUZZ = settings(max_examples=400, deadline=None, derandomize=True, database=None,
@@ -92,7 +92,7 @@ def fuzzed(gateway_factory, caplog):  # noqa: F811 (the fixture above)
 
 def test_gateway_fuzz_routes_headers_and_bodies(fuzzed):
     gw, upstream = fuzzed
-    port = gw._server.port
+    port = port_of(gw)
     counter, statuses = itertools.count(), set()
 
     def send(method: str, path: str, headers: dict, body: bytes) -> int:
