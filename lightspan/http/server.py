@@ -100,7 +100,10 @@ class _Handler(BaseHTTPRequestHandler):
             return None if request.started else HTTPError(500, f"internal error: {type(exc).__name__}").response()
 
     def _answer(self, response: Response, request: Request) -> None:
-        length = request.content_length if "content-length" in request.headers else 0
+        try:
+            length = request.content_length or 0
+        except HTTPError:              # a Content-Length that is not a number: the body cannot be framed
+            length, self.close_connection = 0, True
         if not request.body_read and length:
             request._drain(length)    # an unread body: drop it so the connection stays usable
             if length > DRAIN_LIMIT:
@@ -158,7 +161,7 @@ class _HTTPServer(ThreadingHTTPServer):
                     self.open[conn] = False
             self._local.over_cap = over_cap
             self.RequestHandlerClass(conn, client_address, self)
-        except (ssl.SSLError, ConnectionError, TimeoutError) as exc:
+        except (ssl.SSLError, OSError) as exc:   # the client left, a handshake failed, the server stopped
             log.debug("connection from %s dropped: %s", client_address, exc)
         except Exception:
             log.exception("%s: unexpected error serving %s", self.name, client_address)
