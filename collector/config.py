@@ -27,7 +27,8 @@ class CollectorConfig:
         env=DATA_DIR_ENV)
     host: str = option(
         "127.0.0.1",
-        "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network.")
+        "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network (then auth_token is "
+        "required, unless allow_no_token).")
     grpc_port: int = option(4317, "OTLP/gRPC port (the OTLP default is 4317; 0 = any free port).")
     http_port: int = option(4318, "OTLP/HTTP port, protobuf and JSON (the OTLP default is 4318; 0 = any free port).")
     api_port: int = option(
@@ -54,7 +55,7 @@ class CollectorConfig:
     auth_token: str = option(
         "",
         "Bearer token required on ingest (gRPC metadata and HTTP header `authorization: Bearer "
-        "<token>`) and on the API, /healthz excepted; empty = no authentication. Agents send it "
+        "<token>`) and on the API, /healthz excepted; empty = no authentication (loopback only, unless allow_no_token). Agents send it "
         "with OTEL_EXPORTER_OTLP_HEADERS (authorization=Bearer <token>, the space URL-encoded). "
         "Without TLS it crosses the network in clear text; prefer the environment variable to "
         "--auth-token, which shows in the process list.")
