@@ -55,7 +55,9 @@ MODEL_VERSION = "lightspan.model.version"
 CAPTURE_STATUS = "lightspan.capture.status"
 """``ok``, or why token ids could not be captured for this call (LLM span): ``no_token_ids``,
 ``logprobs_mismatch``, ``multiple_prompts``, ``unparsed_response``, ``stream_incomplete`` (the
-stream was not read to its end), ``upstream_error`` (gateway), or ``duplicate`` (see below)."""
+stream was not read to its end), ``upstream_error`` (gateway), ``duplicate`` (see below), or
+``invalid_logprobs`` (set by the collector: the logprobs held NaN or an infinity and were not stored
+in the logprobs column; the call is never trained on)."""
 CAPTURE_DUPLICATE_OF = "lightspan.capture.duplicate_of"
 """On an LLM span that encloses another LLM span of the same call (two OpenAI instrumentations,
 or a framework's span around the client's): the hex span id of the inner span, which carries the
