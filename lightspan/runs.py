@@ -9,6 +9,7 @@ the store with SQL. Wall time is summed per stage for the report.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -121,16 +122,110 @@ def policy_version(data_dir: Path) -> int:
     return store.policy.served_version(data_dir)
 
 
-def wait_version(data: Path, version: int, timeout_s: float, trainer: subprocess.Popen) -> None:
-    """Wait until the trainer has published policy ``version``; fail if it exits or takes too long."""
+def _check_trainer(trainer: subprocess.Popen, data: Path, t0: float, timeout_s: float, waiting_for: str) -> None:
+    if trainer.poll() is not None:
+        raise RuntimeError(f"the trainer exited ({trainer.returncode}); see {data / 'logs' / 'trainer.log'}")
+    if time.monotonic() - t0 > timeout_s:
+        raise TimeoutError(f"the trainer did not {waiting_for} in {timeout_s:.0f} s; "
+                           f"see {data / 'logs' / 'trainer.log'}")
+
+
+def wait_published(data: Path, trainer: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until the trainer has published a policy (policy.json): with LoRA, the adapter agents call."""
     t0 = time.monotonic()
-    while policy_version(data) < version:
-        if trainer.poll() is not None:
-            raise RuntimeError(f"the trainer exited ({trainer.returncode}); see {data / 'logs' / 'trainer.log'}")
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"the trainer did not publish policy version {version} in {timeout_s} s; "
-                               f"see {data / 'logs' / 'trainer.log'}")
+    while store.policy.read(data) is None:
+        _check_trainer(trainer, data, t0, timeout_s, "publish its first policy")
         time.sleep(0.25)
+
+
+class TrainerQueue:
+    """The steps handed to a continuous trainer (``lightspan train --mode continuous --batch-size 0``)
+    that it has not trained yet.
+
+    A step is trained once the trainer's ``train_steps`` rows account for its transitions: the
+    trainer takes them oldest first, so step k is trained when the transitions trained (or skipped
+    as stale) add up to those of steps 1..k. Counting transitions rather than versions stays right
+    when one trainer step takes two steps' transitions at once. ``train_steps`` is read only when
+    policy.json shows a new version (the row follows the publication), so waiting costs no queries.
+    """
+
+    def __init__(self, data: Path, trainer: subprocess.Popen, timeout_s: float = 900.0):
+        self.data, self.trainer, self.timeout_s = data, trainer, timeout_s
+        self.pending: list[int] = []        # per untrained step: the trainable transitions up to it
+        self.submitted = 0
+        self._rows, self._consumed, self._version = 0, 0, -1
+
+    def submit(self, trainable: int) -> None:
+        """A step's transitions are in the store: ``trainable`` of them have a nonzero advantage."""
+        if trainable:
+            self.submitted += trainable
+            self.pending.append(self.submitted)
+
+    def untrained(self) -> int:
+        version = policy_version(self.data)
+        if version != self._version or self._rows < version:
+            rows, consumed = query_one(self.data, """
+                SELECT count(*), coalesce(sum(num_transitions + coalesce(skipped_stale, 0)), 0) FROM train_steps""")
+            self._version, self._rows, self._consumed = version, int(rows), int(consumed)
+        self.pending = [n for n in self.pending if n > self._consumed]
+        return len(self.pending)
+
+    def wait(self, at_most: int) -> None:
+        """Wait until at most ``at_most`` submitted steps are untrained."""
+        t0 = time.monotonic()
+        while self.untrained() > at_most:
+            _check_trainer(self.trainer, self.data, t0, self.timeout_s, f"train down to {at_most} pending steps")
+            time.sleep(0.25)
+
+
+class CpuClock:
+    """CPU seconds (user + system) used by this process and all its descendants since it was made,
+    running or finished, less what was ``exclude``-d (validation: a CPU budget buys training)."""
+
+    def __init__(self):
+        self.excluded = 0.0
+        self.start = tree_cpu_seconds()
+
+    def seconds(self) -> float:
+        return tree_cpu_seconds() - self.start - self.excluded
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds of ``root`` (default: this process) and its descendants: its own and its reaped
+    children's (``getrusage``, for this process), plus each live descendant's own and reaped
+    children's from ``/proc`` (each process counted once: by itself while alive, by its parent once reaped)."""
+    import resource
+
+    root = os.getpid() if root is None else root
+    parents, times = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = sum(int(f) for f in fields[11:15])      # utime stime cutime cstime
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    ticks, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        ticks += times.get(pid, 0)
+        todo += children.get(pid, [])
+    total = ticks / os.sysconf("SC_CLK_TCK")
+    if root == os.getpid():
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            total += usage.ru_utime + usage.ru_stime
+    else:
+        total += times.get(root, 0) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def trainer_stats(data: Path) -> dict:
