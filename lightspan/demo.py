@@ -52,7 +52,15 @@ class DemoConfig:
                              "a group of 8 has a solved and an unsolved rollout more often than not.")
     val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
     concurrency: int = option(4, "Agent processes at once.")
-    learning_rate: float = option(2e-5, "Trainer learning rate (full fine-tuning, AdamW).")
+    lora_r: int = option(16, "LoRA rank of the trainer on q/k/v/o (vLLM serves the adapter; a sync loads the new "
+                             "one in ~0.2 s); 0: full fine-tuning with in-place reload of all weights.")
+    learning_rate: float = option(3e-4, "Trainer learning rate (AdamW): of the LoRA adapter; with --lora-r 0 "
+                                        "(full fine-tuning) about 2e-5.")
+    beta: float = option(0.0, "KL coefficient to the initial policy (with LoRA: the base, no second model).")
+    max_staleness: int = option(1, "Policy versions a transition may lag the trainer: the next step's rollouts run "
+                                   "while the trainer trains (0: lock-step).")
+    trainer_threads: int = option(0, "torch threads of the trainer; 0: half the cores, at least 1 (it shares them "
+                                     "with vLLM and the rollouts).")
     temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invited reward hacking: "
                                      "docs/architecture.md).")
     seed: int = option(0, "Seed of the task split and the trainer.")
@@ -98,7 +106,8 @@ def preset(cfg: DemoConfig, tasks_dir: Path) -> ExperimentConfig:
         train_tasks=str(write_jsonl(tasks_dir / "train_tasks.jsonl", train)),
         val_tasks=str(write_jsonl(tasks_dir / "val_tasks.jsonl", val)),
         data_dir=cfg.data_dir, model=cfg.model, steps=cfg.steps, tasks_per_step=cfg.tasks_per_step,
-        samples=cfg.samples, concurrency=cfg.concurrency, learning_rate=cfg.learning_rate,
+        samples=cfg.samples, concurrency=cfg.concurrency, learning_rate=cfg.learning_rate, lora_r=cfg.lora_r,
+        beta=cfg.beta, max_staleness=cfg.max_staleness, trainer_threads=cfg.trainer_threads,
         loss_type="grpo", temperature=cfg.temperature, seed=cfg.seed, credit="identical", solved_at=1.0,
         # the agent uses the plain openai client: where the examples' LangChain instrumentation is
         # installed too, it is skipped (it costs each agent process ~1 s of start-up importing langchain)
@@ -143,4 +152,7 @@ def _report(cfg: DemoConfig, results: dict, summary: str) -> None:
     out.write(f"trainer: {trainer['steps']} steps, {trainer['step_seconds']:.1f} s computing, "
               f"{trainer['sync_seconds']:.1f} s syncing weights into vLLM; max |logprob diff| vLLM vs trainer "
               f"after sync: {'not checked' if diff is None else format(diff, '.2g')}\n")
+    if trainer.get("entropy_first") is not None:
+        out.write(f"policy entropy on the sampled tokens: {trainer['entropy_first']:.2f} nats/token at the first "
+                  f"step, {trainer['entropy_last']:.2f} at the last\n")
     out.write(f"lightspan sql \"{' '.join(SUMMARY_SQL.split())}\"\n{summary}\n")

@@ -230,7 +230,8 @@ def tree_cpu_seconds(root: int | None = None) -> float:
 
 def trainer_stats(data: Path) -> dict:
     row = query_one(data, """
-        SELECT count(*), sum(step_seconds), sum(sync_seconds), max(sync_max_abs_logprob_diff)
+        SELECT count(*), sum(step_seconds), sum(sync_seconds), max(sync_max_abs_logprob_diff),
+               arg_min(entropy, policy_version), arg_max(entropy, policy_version)
         FROM train_steps""")
     return {"steps": row[0], "step_seconds": row[1] or 0.0, "sync_seconds": row[2] or 0.0,
-            "max_logprob_diff": row[3]}
+            "max_logprob_diff": row[3], "entropy_first": row[4], "entropy_last": row[5]}

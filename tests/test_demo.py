@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_preset_is_an_experiment_of_the_demo_tasks_agent_and_settings(tmp_path):
-    cfg = demo.DemoConfig(steps=3, tasks_per_step=2, samples=4, val_tasks=5, learning_rate=3e-5, seed=7)
+    cfg = demo.DemoConfig(steps=3, tasks_per_step=2, samples=4, val_tasks=5, learning_rate=3e-5, seed=7, lora_r=8)
     exp = demo.preset(cfg, tmp_path)
     train, val = demo.make_tasks(7, 6, 5)
     assert Path(exp.train_tasks).read_text().count("\n") == len(train) == 6
     assert Path(exp.val_tasks).read_text().count("\n") == len(val) == 5
-    assert (exp.steps, exp.tasks_per_step, exp.samples, exp.learning_rate, exp.seed) == (3, 2, 4, 3e-5, 7)
+    assert (exp.steps, exp.tasks_per_step, exp.samples, exp.learning_rate, exp.seed, exp.lora_r) == (3, 2, 4, 3e-5, 7, 8)
     assert (exp.grpc_port, exp.http_port, exp.api_port, exp.vllm_port) == (4317, 4318, 8321, 8000)
     # the agent runs with this interpreter, from where the package keeps it
     assert agent_command(exp.agent) == [sys.executable, str(demo.agent_path())]
