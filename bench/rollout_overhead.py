@@ -218,9 +218,9 @@ def main() -> None:
     med, ratio = result["median_cpu_per_rollout"], result["median_ratio"]
     print(f"{args.rollouts} rollouts x {args.rounds} rounds (load {result['load_1m'][0]:.1f} -> "
           f"{result['load_1m'][1]:.1f}); CPU seconds per rollout, medians:")
-    print(f"  bare python agent.py     {med['bare']:.3f}")
-    print(f"  lightspan rollout worker {med['worker']:.3f}   ({ratio['worker/bare']:.2f}x bare)")
-    print(f"  lightspan rollout process{med['process']:.3f}   ({ratio['process/bare']:.2f}x bare)")
+    print(f"  bare python agent.py        {med['bare']:.3f}")
+    print(f"  lightspan rollout (worker)  {med['worker']:.3f}   ({ratio['worker/bare']:.2f}x bare)")
+    print(f"  lightspan rollout (process) {med['process']:.3f}   ({ratio['process/bare']:.2f}x bare)")
     print(f"  spans per rollout (both modes): {result['spans_per_rollout']}")
     print(json.dumps(result))
 
