@@ -18,7 +18,7 @@ Load: ``--batch``-span ``ExportTraceServiceRequest``s of GenAI chat spans (the r
 unique to each request (Phoenix keeps one row per span id). ``--token-ids`` picks how the 256
 prompt + 64 completion token ids and 64 logprobs travel: ``none`` (left out, the default: both
 store such spans as they are), ``array`` (OTel int/double arrays: lightspan keeps them as JSON
-attributes, DESIGN.md's contract is bytes) or ``bytes`` (lightspan's little-endian encoding:
+attributes, lightspan's contract is bytes, docs/architecture.md) or ``bytes`` (lightspan's little-endian encoding:
 promoted to typed columns by lightspan; Phoenix acknowledges such spans and then fails to insert
 them, bytes values are not JSON). Sent by ``--senders`` threads (one gRPC channel or HTTP
 session each, protobuf, no compression) for ``--warmup`` + ``--seconds``, per target and
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="grpc,http")
     parser.add_argument("--token-ids", choices=("none", "array", "bytes"), default="none",
                         help="GenAI spans without token ids (the default: both store them as they are), with token "
-                             "ids and logprobs as OTel arrays (lightspan keeps arrays as JSON attributes: DESIGN.md "
+                             "ids and logprobs as OTel arrays (lightspan keeps arrays as JSON attributes: docs/architecture.md "
                              "says bytes), or as little-endian bytes (lightspan's encoding: Phoenix acknowledges "
                              "such spans, then fails to insert them)")
     parser.add_argument("--phoenix-python", default=str(Path.home() / ".cache/lightspan/phoenix-venv/bin/python"))

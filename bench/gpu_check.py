@@ -21,7 +21,7 @@
    (H100/H200 SXM: 989 TFLOP/s). 6N ignores attention's own FLOPs and counts the LM head on
    prompt positions that the trainer skips (``logits_to_keep``): both small at these lengths.
 5. Where vllm is importable and a second GPU exists (NCCL refuses two ranks of one group on one
-   device), times lightspan's ``nccl`` weight sync (trainer/sync.py ``NcclSync``): starts a vLLM
+   device), times lightspan's ``nccl`` weight sync (trainer/nccl.py ``NcclSync``): starts a vLLM
    server on the second GPU (``--load-format dummy``, float32, dev mode, ``--weight-transfer-config
    '{"backend": "nccl"}'``), joins its NCCL group, pushes the trained model ``--nccl-syncs`` times
    and checks that vLLM's prompt logprobs of a fixed sequence then match the trainer's (fp32).
@@ -125,7 +125,7 @@ def nccl_skip_reason(cuda: bool) -> str | None:
         return "no GPU"
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not importable (the trainer end of vLLM's NCCL group is vllm's own code)"
-    problem = importlib.import_module("lightspan.trainer.sync").nccl_problem()
+    problem = importlib.import_module("lightspan.trainer.nccl").nccl_problem()
     if problem:
         return problem
     if torch.cuda.device_count() < 2:
@@ -188,7 +188,8 @@ def time_nccl_sync(model, tmp: Path, syncs: int) -> dict:
     ``syncs`` times with NcclSync; returns timings and the logprob check, or the error."""
     import torch
 
-    from lightspan.trainer.sync import NcclSync, prompt_logprobs
+    from lightspan.trainer.nccl import NcclSync
+    from lightspan.trainer.sync import prompt_logprobs
 
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     gpu = visible[1] if len(visible) > 1 else "1"
@@ -246,7 +247,8 @@ def run(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightspan.trainer.config import TrainerConfig
-    from lightspan.trainer.loop import Batch, Cursor, Trainer
+    from lightspan.trainer.batches import Batch, Cursor
+    from lightspan.trainer.loop import Trainer
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:

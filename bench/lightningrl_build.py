@@ -312,7 +312,7 @@ def measure_build(data_dir: str, cores: int, output: str) -> dict:
 
 def measure_baseline(data_dir: str, cores: int, rollouts: int) -> dict:
     _limit(cores)
-    from lightspan.lightningrl.builder import span_files
+    from lightspan.lightningrl.selection import span_files
 
     files = span_files(data_dir)[:max(1, -(-rollouts // PER_FILE))]
     c0 = _cpu()

@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import Batch, Cursor, Trainer, collate
+from lightspan.trainer.batches import Batch, Cursor, collate
+from lightspan.trainer.loop import Trainer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-instruct"
 # sequences, prompt tokens, completion tokens, micro-batch

@@ -10,6 +10,12 @@ sends a span with the same ids, which the collector's writer does not store twic
 received wins; collector/dedup.py). Without ``id``, a rollout has one reward per name; give ``id`` to record
 several.
 
+``POST /v1/rollouts/{rollout_id}/events`` — Agent Lightning's events (``AGL_EVENT_URL``, which
+``lightspan rollout`` sets): a reward event ``{"event_type": "reward", "data": {"value": v}}``
+becomes the reward ``{"rollout_id": rollout_id, "value": v}`` and goes the path above. Each event
+is its own reward (its id is the time it was received), so the rollout's last one is its final
+reward, as in Agent Lightning; other event types are acknowledged and counted, not stored.
+
 ``POST /v1/sql`` / ``GET /v1/sql?q=`` — read-only SQL over the store's views: one SELECT (or
 EXPLAIN) statement, on a fresh in-memory DuckDB connection from :func:`store.connect` whose
 external access is switched off once the views exist (only the data directory's tables stay
@@ -26,10 +32,12 @@ import datetime as dt
 import decimal
 import hashlib
 import math
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import unquote
 
 import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -40,7 +48,13 @@ from lightspan.tracing import semconv as sc
 REWARD_ID = "lightspan.reward.id"       # the idempotency key of a posted reward
 REWARD_SCOPE = "lightspan.collector.rewards"
 MAX_REWARDS = 10_000                    # per request
-_REWARD_KEYS = {"rollout_id", "value", "name", "id", "task_id"}
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+# optional keys -> (attribute, longest value): who scored, why, a corrected answer, the call scored
+_REWARD_TEXT = {"source": (sc.REWARD_SOURCE, 16), "comment": (sc.REWARD_COMMENT, 4096),
+                "correction": (sc.REWARD_CORRECTION, 65536), "judge_model": (sc.REWARD_JUDGE_MODEL, 256),
+                "rubric_sha256": (sc.REWARD_RUBRIC_SHA256, 64), "span_id": (sc.REWARD_CALL_SPAN_ID, 16)}
+REWARD_SOURCES = ("agent", "judge", "human", "api")
+_REWARD_KEYS = {"rollout_id", "value", "name", "id", "task_id", *_REWARD_TEXT}
 
 
 class BadRequest(ValueError):
@@ -75,7 +89,10 @@ def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, 
     """A JSON reward (or a list of them) → one span each; returns (request, what was recorded).
 
     A reward is ``{"rollout_id": str, "value": number, "name": "reward", "id": optional key,
-    "task_id": optional}``. Raises :class:`BadRequest` naming the offending item and field.
+    "task_id": optional}``, optionally with ``source`` (agent, judge, human or api: the default),
+    ``comment``, ``correction`` (a corrected answer), ``span_id`` (the LLM call it scores: 16 hex
+    digits), ``judge_model`` and ``rubric_sha256``. Raises :class:`BadRequest` naming the offending
+    item and field.
     """
     items = doc if isinstance(doc, list) else [doc]
     if not items:
@@ -103,11 +120,22 @@ def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, 
         value = float(value) if isinstance(value, float) or abs(value) < 1 << 1000 else math.inf
         if not math.isfinite(value):
             raise BadRequest(f"{where}: 'value' must be finite, got {value}")
-        trace_id, span_id = reward_ids(rollout_id, name, key)
+        extra = {k: _text(item, k, where, required=False) for k in _REWARD_TEXT if item.get(k) is not None}
+        for k, text in extra.items():
+            if len(text) > _REWARD_TEXT[k][1]:
+                raise BadRequest(f"{where}: {k!r} is longer than {_REWARD_TEXT[k][1]} characters")
+        if extra.setdefault("source", "api") not in REWARD_SOURCES:
+            raise BadRequest(f"{where}: 'source' must be one of {list(REWARD_SOURCES)}, got {extra['source']!r}")
+        if "span_id" in extra and not _HEX16.fullmatch(extra["span_id"]):
+            raise BadRequest(f"{where}: 'span_id' must be the call's span id, 16 lowercase hex digits")
+        # a reward on one call is keyed by the call too (two calls scored under one name are two rewards)
+        call = extra.get("span_id")
+        trace_id, span_id = reward_ids(rollout_id, name, key if call is None else f"{key or ''}\x00{call}")
         span = scope.spans.add(trace_id=trace_id, span_id=span_id, name=sc.SPAN_REWARD, kind=1,
                                start_time_unix_nano=now_unix_nano, end_time_unix_nano=now_unix_nano)
         attrs = [(sc.ROLLOUT_ID, rollout_id), (sc.REWARD, value), (sc.REWARD_NAME, name)]
         attrs += [(k, v) for k, v in ((sc.TASK_ID, task_id), (REWARD_ID, key)) if v is not None]
+        attrs += [(_REWARD_TEXT[k][0], v) for k, v in extra.items()]
         for attr, attr_value in attrs:
             kv = span.attributes.add(key=attr)
             if isinstance(attr_value, float):
@@ -115,8 +143,47 @@ def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, 
             else:
                 kv.value.string_value = attr_value
         recorded.append({"rollout_id": rollout_id, "name": name, "id": key, "value": value,
+                         **{("call_span_id" if k == "span_id" else k): v for k, v in extra.items()},
                          "trace_id": trace_id.hex(), "span_id": span_id.hex()})
     return request, recorded
+
+
+# --- Agent Lightning's events ----------------------------------------------------------------------
+
+EVENTS_PATH = re.compile(r"/v1/rollouts/([^/]+)/events")
+_EVENT_KEYS = {"event_type", "data"}
+
+
+def event_rollout(path: str) -> str | None:
+    """The rollout id of an events path (``/v1/rollouts/ID/events``, ID percent-encoded), else None."""
+    match = EVENTS_PATH.fullmatch(path)
+    return unquote(match.group(1)) if match else None
+
+
+def event_reward(rollout_id: str, doc, received_unix_nano: int) -> dict | None:
+    """An Agent Lightning event posted for ``rollout_id`` as the reward :func:`reward_request`
+    takes, or None when it is not a reward event. Raises :class:`BadRequest` for a malformed one."""
+    example = '{"event_type": "reward", "data": {"value": 1.0}}'
+    if not isinstance(doc, dict):
+        raise BadRequest(f"event is not a JSON object: send {example}")
+    unknown = sorted(set(doc) - _EVENT_KEYS)
+    if unknown:
+        raise BadRequest(f"event: unknown field(s) {unknown}; known: {sorted(_EVENT_KEYS)}")
+    event_type, data = doc.get("event_type"), doc.get("data", {})
+    if not isinstance(event_type, str) or not event_type.strip():
+        raise BadRequest(f"event: 'event_type' must be a non-empty string, e.g. {example}")
+    if not isinstance(data, dict):
+        raise BadRequest(f"event: 'data' must be an object, got {type(data).__name__}")
+    if event_type != "reward":
+        return None
+    if "value" not in data:
+        raise BadRequest(f"reward event: 'data' has no 'value': send {example}")
+    reward = {"rollout_id": rollout_id, "value": data["value"], "name": "reward", "id": f"event-{received_unix_nano}",
+              "source": "agent"}        # the agent itself scored the rollout, as with emit_reward
+    note = next((data[k] for k in ("message", "reason") if isinstance(data.get(k), str) and data[k].strip()), None)
+    if note is not None:
+        reward["comment"] = note[:4096]
+    return reward
 
 
 # --- SQL -------------------------------------------------------------------------------------

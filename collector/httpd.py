@@ -8,7 +8,8 @@ request's content type), optionally gzip/deflate; bodies are capped before and a
 decompression (413).
 
 API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flush``,
-``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST /v1/sql``
+``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST
+/v1/rollouts/ID/events`` (Agent Lightning's reward events), ``POST /v1/sql``
 ``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), and the GET routes the composing
 process added (:mod:`lightspan.collector.routes`: the web UI). API answers are JSON; errors are
 ``{"error": message}`` with 400 for the client's mistakes and never 500 for its data.
@@ -47,7 +48,8 @@ _SIGNALS = {TRACES_PATH: "traces", LOGS_PATH: "logs"}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 DRAIN_LIMIT = 8 << 20         # bytes of a refused body read and thrown away before hanging up
-_API_ROUTES = "GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST or GET /v1/sql"
+_API_ROUTES = ("GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST /v1/rollouts/ID/events, "
+               "POST or GET /v1/sql")
 
 
 class HTTPServer(ThreadingHTTPServer):
@@ -300,6 +302,8 @@ class APIHandler(BaseHandler):
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
+        if api.event_rollout(path) is not None:
+            return self.event(api.event_rollout(path))
         if path not in self._POST:
             self.discard_body()
             if path in self._GET:
@@ -350,6 +354,23 @@ class APIHandler(BaseHandler):
             return self.send_json(503, {"error": f"flush failed: {exc}"},
                                   {"Retry-After": str(self.collector.config.retry_after_s)})
         self.send_json(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
+
+    def event(self, rollout_id: str) -> None:
+        """``POST /v1/rollouts/ID/events``: an Agent Lightning reward event is a reward of rollout ID."""
+        if not self.allowed():
+            return
+        doc = self.read_json()
+        if doc is None:
+            return
+        try:
+            reward = api.event_reward(rollout_id, doc, time.time_ns())
+        except api.BadRequest as exc:
+            self.collector.refuse(Outcome.INVALID, str(exc))
+            return self.send_json(400, {"error": str(exc)})
+        if reward is None:
+            self.collector.metrics.add("events_ignored_total")
+            return self.send_json(200, {"accepted": 0, "ignored": doc["event_type"]})
+        self.rewards(reward)
 
     def rewards(self, doc) -> None:
         try:

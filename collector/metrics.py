@@ -22,7 +22,9 @@ COUNTERS = {
     "log_records_rejected_total": "Malformed log records dropped from otherwise valid requests (partial_success).",
     "log_records_written_total": "Log records written to Parquet, WAL replay included.",
     "log_records_deduplicated_total": "Log records not written because the store holds them already.",
-    "rewards_accepted_total": "Late rewards acknowledged through POST /v1/rewards (re-posts included).",
+    "rewards_accepted_total": "Late rewards acknowledged through POST /v1/rewards (re-posts included) "
+                              "or POST /v1/rollouts/ID/events.",
+    "events_ignored_total": "Agent Lightning events acknowledged but not stored (an event_type other than reward).",
     "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
     "compactions_total": "Date partitions whose small Parquet files were merged into one.",
     "files_compacted_total": "Small Parquet files removed by compaction (replaced by merged files).",

@@ -31,7 +31,7 @@ import numpy as np
 
 from lightspan import store
 from lightspan.lightningrl.credit import rewards_per_call
-from lightspan.trainer.config import parse_duration
+from lightspan.config import parse_duration
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100

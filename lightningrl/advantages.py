@@ -1,4 +1,4 @@
-"""Group advantage estimators at rollout level (DESIGN.md §3.4).
+"""Group advantage estimators at rollout level (docs/architecture.md, "LightningRL").
 
 A group g is the rollouts of one task; r_i is rollout i's return, one number per rollout, so a
 rollout counts once in its group's statistics however many LLM calls it made. Each estimator

@@ -1,7 +1,7 @@
 """The transition builder's config: section ``[transitions]``, env ``LIGHTSPAN_TRANSITIONS_<FIELD>``.
 
 Each field's ``help`` is its documentation and its ``--help``; bad values fail here, at
-config load, with the field and the fix named (STYLE.md §1–2).
+config load, with the field and the fix named (``ConfigError``, lightspan/config.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Credit assignment: how a rollout's rewards are shared among its LLM calls (DESIGN.md §3.4).
+"""Credit assignment: how a rollout's rewards are shared among its LLM calls
+(docs/architecture.md, "LightningRL").
 
 A rollout is one episode; its LLM calls, ordered by start time, are the actions a_0 … a_{T-1}.
 Each policy is a pure function ``policy(call_rewards, final_reward, gamma) -> credit`` with one

@@ -65,6 +65,18 @@ def _transitions(cfg, args) -> int:
     return _print_json(run(cfg))
 
 
+def _judge(cfg, args) -> int:
+    from lightspan.lightningrl.judge import run
+
+    return _print_json(run(cfg))
+
+
+def _export(cfg, args) -> int:
+    from lightspan.store.export import write
+
+    return _print_json(write(cfg))
+
+
 def _call(path: str) -> Callable:
     """A job whose component's ``run``/``serve`` takes the config alone."""
     return lambda cfg, args: _load(path)(cfg)
@@ -147,14 +159,18 @@ JOBS = {
     "transitions": Job("build training transitions from stored rollouts (LightningRL credit + GRPO advantages)",
                        _transitions, "lightspan.lightningrl.config:TransitionsConfig", "transitions",
                        actions=("build",)),
+    "reward": Job("score finished rollouts that have no reward with an LLM judge (a task's group per call, "
+                  "against a rubric)", _judge, "lightspan.lightningrl.judge:JudgeConfig", "judge", actions=("judge",)),
     "train": Job("GRPO on stored transitions; push new weights into the running vLLM",
-                 _call("lightspan.trainer.loop:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
+                 _call("lightspan.trainer.driver:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
     "demo": Job("the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation",
                 _call("lightspan.demo:run"), "lightspan.demo:DemoConfig", "demo"),
     "status": Job("summarise the data directory, the inference server and the latest training run",
                   _call("lightspan.dashboards.status:run"), "lightspan.dashboards.status:StatusConfig", "status"),
     "experiment": Job("train any agent on its train/val task files; write the learning curve (PNG + JSON)",
                       _call("lightspan.experiment:run"), "lightspan.experiment:ExperimentConfig", "experiment"),
+    "export": Job("write rollouts, LLM calls or transitions, filtered, to JSONL or Parquet (datasets for evaluation "
+                  "or fine-tuning elsewhere)", _export, "lightspan.store.export:ExportConfig", "export"),
     "sql": Job("run SQL over the stored spans, rollouts, rewards, transitions, train_steps", _sql,
                arguments=_sql_arguments),
     "model": Job("make a model vLLM can serve and reload: the SmolLM2 demo model or a tiny test model", _model,

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -25,6 +26,19 @@ class ConfigError(ValueError):
     def __init__(self, section: str, name: str, problem: str, fix: str):
         self.field = f"{section}.{name}"
         super().__init__(f"config field {self.field}: {problem}; fix: {fix}")
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"30m"``, ``"10s"``, ``"1h30m"``; ValueError otherwise."""
+    text = text.strip().lower()
+    parts = _DURATION_PART.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple | None = None):

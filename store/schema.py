@@ -95,6 +95,7 @@ TRAIN_STEP_SCHEMA = pa.schema([
     ("is_ratio_mean", pa.float64()),
     ("entropy", pa.float64()),
     ("kl", pa.float64()),
+    ("grad_norm", pa.float64()),             # the gradient's L2 norm before clipping (the last pass's)
     ("staleness_mean", pa.float64()),
     ("skipped_stale", pa.int64()),
     ("step_seconds", pa.float64()),

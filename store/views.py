@@ -31,10 +31,17 @@ _VIEWS = {
                OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content'))
           -- an enclosing span of a second instrumentation: the inner span carries the call
           AND capture_status IS DISTINCT FROM 'duplicate'""",
+    # who gave each reward and why (lightspan.reward.*): a reward span without a source is the agent's
     "rewards": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
                trace_id, span_id, coalesce(reward_name, 'reward') AS reward_name, reward,
-               end_time_unix_nano AS time_unix_nano
+               end_time_unix_nano AS time_unix_nano,
+               coalesce(json_extract_string(attributes['lightspan.reward.source'], '$'), 'agent') AS source,
+               json_extract_string(attributes['lightspan.reward.call_span_id'], '$') AS call_span_id,
+               json_extract_string(attributes['lightspan.reward.comment'], '$') AS comment,
+               json_extract_string(attributes['lightspan.reward.correction'], '$') AS correction,
+               json_extract_string(attributes['lightspan.reward.judge.model'], '$') AS judge_model,
+               json_extract_string(attributes['lightspan.reward.rubric.sha256'], '$') AS rubric_sha256
         FROM spans WHERE reward IS NOT NULL""",
     "rollouts": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key,
@@ -43,12 +50,50 @@ _VIEWS = {
                any_value(service_name) AS service_name,
                count(*) AS num_spans,
                count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
-               arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL) AS final_reward,
+               -- the last reward that scores the whole rollout; with only calls scored, the last of those
+               coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                            AND attributes['lightspan.reward.call_span_id'] IS NULL),
+                        arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
                bool_or(status_code = 'ERROR') AS has_error,
                min(start_time_unix_nano) AS start_time_unix_nano,
                max(end_time_unix_nano) AS end_time_unix_nano,
-               max(model_version) AS model_version
+               max(model_version) AS model_version,
+               -- the runner's outcome span (lightspan rollout): ok, failed or timeout, and the exit code
+               any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
+                   FILTER (WHERE name = 'lightspan.runner') AS outcome,
+               any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
+                   FILTER (WHERE name = 'lightspan.runner') AS exit_code,
+               -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0
+               CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+                    WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
         FROM spans GROUP BY 1""",
+}
+# pass@k (at least one of k tries succeeds) and pass^k (all k succeed: reliability, as in
+# tau-bench) per task, policy version and split, with the unbiased estimators of Chen et al. 2021
+# over the n rollouts whose outcome is known (rewarded, failed or timed out: a failure counts
+# against, a rollout with no reward yet does not count) of which c reached ``threshold``.
+_MACROS = [
+    """CREATE OR REPLACE MACRO binom(a, b) AS
+           CASE WHEN b < 0 OR b > a THEN 0.0 ELSE round(exp(lgamma(a + 1) - lgamma(b + 1) - lgamma(a - b + 1))) END""",
+    """CREATE OR REPLACE MACRO pass_k(threshold := 1.0) AS TABLE
+       WITH runs AS (
+           SELECT task_id, model_version, coalesce(split, 'train') AS split, count(*) AS n,
+                  count(*) FILTER (WHERE final_reward >= threshold) AS c
+           FROM rollouts WHERE task_id IS NOT NULL AND status IN ('rewarded', 'failed', 'timeout')
+           GROUP BY ALL)
+       SELECT task_id, model_version, split, n, c, k,
+              1 - binom(n - c, k) / binom(n, k) AS pass_at_k, binom(c, k) / binom(n, k) AS pass_hat_k
+       FROM runs, unnest(range(1, n + 1)) AS t(k)""",
+]
+_DERIVED = {
+    "pass_at_k": "SELECT * FROM pass_k()",
+    # the judge's and a person's scores of the same rollout (the latest of each), where both exist
+    "reward_agreement": """
+        SELECT rollout_key, any_value(task_id) AS task_id,
+               arg_max(reward, time_unix_nano) FILTER (WHERE source = 'judge') AS judge,
+               arg_max(reward, time_unix_nano) FILTER (WHERE source = 'human') AS human
+        FROM rewards WHERE call_span_id IS NULL GROUP BY rollout_key
+        HAVING judge IS NOT NULL AND human IS NOT NULL""",
 }
 
 
@@ -90,6 +135,10 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
             source = with_all_columns(con, table, source)
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
     for name, sql in _VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+    for sql in _MACROS:
+        con.execute(sql)
+    for name, sql in _DERIVED.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
     return con
 

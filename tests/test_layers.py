@@ -22,7 +22,7 @@ COMMON = {"lightspan.config", "lightspan.progress", "lightspan.http"}   # shared
 # part -> the lightspan modules it may import (a name covers its submodules); its own part always
 ALLOWED = {
     "tracing": set(),
-    "store": set(),
+    "store": {"lightspan.config"},     # export's config; layout and policy stay standard library (below)
     "collector": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
     "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.capture",
                 "lightspan.tracing.sse", *COMMON},

@@ -64,10 +64,28 @@ REWARD = "lightspan.reward"
 """A float reward, on a reward span or on any span."""
 REWARD_NAME = "lightspan.reward.name"
 """Names the reward (``lightspan.reward.name``); the default name is ``reward``."""
+REWARD_SOURCE = "lightspan.reward.source"
+"""Who gave the reward: ``agent`` (a reward span the agent emitted; the default), ``judge``
+(``lightspan reward judge``), ``human`` (the web UI) or ``api`` (any other ``POST /v1/rewards``)."""
+REWARD_COMMENT = "lightspan.reward.comment"
+"""Why: a judge's reason or a person's comment."""
+REWARD_CORRECTION = "lightspan.reward.correction"
+"""A person's corrected answer for the rollout or call (for supervised fine-tuning elsewhere)."""
+REWARD_CALL_SPAN_ID = "lightspan.reward.call_span_id"
+"""The hex span id of the LLM call a reward scores, when it scores one call, not the rollout."""
+REWARD_JUDGE_MODEL = "lightspan.reward.judge.model"
+"""The model that judged (source ``judge``)."""
+REWARD_RUBRIC_SHA256 = "lightspan.reward.rubric.sha256"
+"""The SHA-256 of the rubric file the judge scored against (source ``judge``)."""
 ROLLOUT_EXIT_CODE = "lightspan.rollout.exit_code"
 """The agent process's exit code, on the runner's outcome span."""
 ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
 """``ok``, ``failed`` or ``timeout``, on the runner's outcome span."""
+AGENT_HEADER = "x-lightspan-agent"
+"""HTTP request header by which a caller of the gateway names the agent making the call (an agent
+lightspan does not instrument, or several agents behind one base URL): the gateway's span of the
+call gets it as ``gen_ai.agent.name`` (:data:`GEN_AI_AGENT_NAME`), which the transition builder and
+``--agent-match`` read like any agent span's."""
 
 # span names lightspan itself creates
 SPAN_ROLLOUT = "lightspan.rollout"

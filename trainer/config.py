@@ -6,10 +6,9 @@ command line) and written as ``trainer_config.json`` into every checkpoint.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from lightspan.config import ConfigError, option
+from lightspan.config import ConfigError, option, parse_duration
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "trainer"
@@ -17,19 +16,6 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``"30m"``, ``"10s"``, ``"1h30m"``; ValueError otherwise."""
-    text = text.strip().lower()
-    parts = _DURATION_PART.findall(text)
-    if not text or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"not a duration: {text!r}")
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -153,7 +139,7 @@ class TrainerConfig:
             fail("sync", f"'{self.sync}' pushes full weights, but with lora_r > 0 the trainer trains only the adapter",
                  "pass --sync lora (vLLM loads the adapter), or --lora-r 0 for full fine-tuning")
         if self.sync == "nccl":
-            from lightspan.trainer.sync import nccl_problem
+            from lightspan.trainer.nccl import nccl_problem
 
             problem = nccl_problem()
             if problem:

@@ -53,7 +53,7 @@ Deviations from the papers:
    model, adapters disabled).
 7. The policy optimised is the one that sampled: logits divided by the call's sampling
    temperature, as TRL does. vLLM's processed logprobs also reflect top-k/top-p and penalties,
-   which are not reproduced: keep them off in RL rollouts (FACTS.md).
+   which are not reproduced: keep them off in RL rollouts (docs/architecture.md, "Trainer").
 8. CISPO's IS-weight clip has no lower bound (MiniMax-M1 §3.1 sets eps_low^IS large and tunes
    only eps_high^IS); its upper bound is 1 + ``epsilon_high``, the same option as the other
    losses' clip (TRL's ``cispo`` instead reads ``epsilon_high`` as the bound itself). Its
@@ -125,18 +125,13 @@ def cispo_surrogate(ratio: Tensor, logprobs: Tensor, advantages: Tensor, epsilon
     return -weight * advantages * logprobs
 
 
-def truncated_is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """(min(pi_old / pi_vllm, C), the untruncated ratio); both without gradient (Yao et al. 2025)."""
-    ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs)
-    return torch.clamp(ratio, max=cap), ratio
-
-
 def is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, mode: str, cap: float,
               floor: float = 0.0) -> tuple[Tensor, Tensor]:
     """(w, rho): the IS weight of each token (B, C) per ``mode`` (module docstring) and the raw
     ratio it came from, per token or, for ``sequence_*``, per sequence broadcast over its tokens.
-    No gradient. Tokens outside ``mask`` count neither in a sequence's ratio nor anywhere else."""
-    log_rho = (old_logprobs.detach() - behaviour_logprobs) * mask
+    No gradient. Tokens outside ``mask`` count neither in a sequence's ratio nor anywhere else: their
+    rho is 1 whatever was recorded there (``torch.where``, not a product: NaN x 0 is NaN)."""
+    log_rho = torch.where(mask.bool(), old_logprobs.detach() - behaviour_logprobs, 0.0)
     if mode.startswith("sequence_"):
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     rho = torch.exp(log_rho)
@@ -153,20 +148,25 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` on the tokens of ``mask``, 0 elsewhere, even where ``x`` is NaN (a product would keep it)."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
 def grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """GRPO: mean over each sequence's own tokens, then mean over the step's sequences."""
-    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_sequence = _masked(per_token, mask).sum(-1) / mask.sum(-1).clamp(min=1)
     return per_sequence.sum() / max(totals.num_sequences, 1)
 
 
 def dapo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """DAPO token-level loss: sum over all tokens / the step's number of tokens."""
-    return (per_token * mask).sum() / max(totals.num_tokens, 1)
+    return _masked(per_token, mask).sum() / max(totals.num_tokens, 1)
 
 
 def dr_grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
     """Dr. GRPO: sum over all tokens / (sequences x longest completion), a constant per step."""
-    return (per_token * mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
+    return _masked(per_token, mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
 
 
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
@@ -178,7 +178,7 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
+    return float(_masked(x, mask).sum() / mask.sum().clamp(min=1))
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,

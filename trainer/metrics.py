@@ -31,6 +31,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "kl": ("Mean per-token k3 KL to the reference model in the last step (0 when beta is 0).", "kl"),
     "clip_ratio": ("Share of the last step's tokens whose ratio (or CISPO weight) was clipped.", "clip_ratio"),
     "entropy": ("Mean per-token entropy of the policy over the last step's completion tokens (nats).", "entropy"),
+    "grad_norm": (("Total L2 norm of the last step's gradient before clipping to max_grad_norm "
+                   "(of its last pass)."), "grad_norm"),
     "is_ratio_mean": (("Mean importance-sampling weight pi_old / pi_vllm after truncation or masking, "
                        "last step."), "is_ratio_mean"),
     "tokens_per_second": (("Trained completion tokens per second of the last optimisation step "

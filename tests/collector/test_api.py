@@ -29,7 +29,25 @@ def test_reward_ids_are_deterministic_per_rollout_name_and_key():
     assert len(ids) == 4
     span = request.resource_spans[0].scope_spans[0].spans[0]
     assert span.name == "lightspan.reward" and span.end_time_unix_nano == 7
-    assert {kv.key for kv in span.attributes} == {"lightspan.rollout.id", "lightspan.reward", "lightspan.reward.name"}
+    assert {kv.key for kv in span.attributes} == {"lightspan.rollout.id", "lightspan.reward", "lightspan.reward.name",
+                                                  "lightspan.reward.source"}
+    assert {kv.key: kv.value.string_value for kv in span.attributes}["lightspan.reward.source"] == "api"
+
+
+def test_a_reward_may_say_who_gave_it_and_which_call_it_scores():
+    doc = {"rollout_id": "r", "value": 1, "name": "human", "source": "human", "comment": "ok", "span_id": "ab" * 8,
+           "correction": "5"}
+    request, (recorded,) = api.reward_request(doc, 7)
+    attrs = {kv.key: kv.value.string_value for kv in request.resource_spans[0].scope_spans[0].spans[0].attributes}
+    assert attrs["lightspan.reward.call_span_id"] == "ab" * 8 and attrs["lightspan.reward.correction"] == "5"
+    assert recorded["call_span_id"] == "ab" * 8 and recorded["span_id"] != "ab" * 8     # the reward's own span
+    # two calls of one rollout scored under one name are two rewards
+    _, (other,) = api.reward_request({**doc, "span_id": "cd" * 8}, 7)
+    assert other["span_id"] != recorded["span_id"]
+    for bad, message in [({"source": "robot"}, "'source' must be one of"), ({"span_id": "XYZ"}, "16 lowercase hex"),
+                         ({"comment": "x" * 5000}, "longer than 4096")]:
+        with pytest.raises(api.BadRequest, match=message):
+            api.reward_request({**doc, **bad}, 7)
 
 
 @pytest.mark.parametrize("doc, message", [

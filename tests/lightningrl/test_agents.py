@@ -81,3 +81,46 @@ def test_a_call_with_no_agent_anywhere_is_matched_as_the_empty_name(tmp_path):
     assert table.num_rows == 2 and table.column("agent_name").to_pylist() == [None, None]
     table, metrics = build(tmp_path, agent_match="solver")
     assert table.num_rows == 0 and metrics["transitions/dropped_rollouts/agent_mismatch"] == 2
+
+
+def _supervisor_rollout(rid, value):
+    """The spans traceloop's LangChain instrumentation (0.62.4) records for langgraph-supervisor's
+    README quickstart when the supervisor hands off to ``math_expert`` (seen in a real run): each
+    agent's ``invoke_agent NAME`` span is a sibling of its graph's node spans, and the calls sit
+    under node ("task") spans, the outermost named after the agent, all under the parent graph's
+    ``LangGraph.workflow`` agent span."""
+    trace = f"{abs(hash(rid)) % 16**32:032x}"
+    tl = lambda kind, name: dict(attributes=[("traceloop.span.kind", json.dumps(kind)),   # noqa: E731
+                                             ("traceloop.entity.name", json.dumps(name))])
+    rows = [span(rid, f"create_agent {n}", 0, 1, trace=f"{abs(hash(rid + n)) % 16**32:032x}",
+                 operation_name="create_agent", agent_name=n) for n in ("math_expert", "supervisor")]
+    graph = span(rid, "LangGraph.workflow", 2, 90, trace=trace, operation_name="invoke_agent", agent_name="LangGraph",
+                 **tl("workflow", "LangGraph"))
+    rows.append(graph)
+
+    def agent_run(name, start, inner_node):
+        node = span(rid, f"execute_task {name}", start, start + 30, trace=trace, parent_span_id=graph["span_id"],
+                    **tl("task", name))
+        invoked = span(rid, f"invoke_agent {name}", start + 1, start + 2, trace=trace, parent_span_id=node["span_id"],
+                       operation_name="invoke_agent", agent_name=name)
+        inner = span(rid, f"execute_task {name}", start + 2, start + 29, trace=trace, parent_span_id=node["span_id"],
+                     **tl("task", name))
+        step = span(rid, f"execute_task {inner_node}", start + 3, start + 28, trace=trace,
+                    parent_span_id=inner["span_id"], **tl("task", inner_node))
+        seq = span(rid, "execute_task RunnableSequence", start + 4, start + 27, trace=trace,
+                   parent_span_id=step["span_id"], **tl("task", "RunnableSequence"))
+        return [node, invoked, inner, step, seq,
+                call(rid, start + 5, start + 26, agent=None, trace=trace, parent_span_id=seq["span_id"])]
+
+    rows += agent_run("supervisor", 3, "agent") + agent_run("math_expert", 40, "agent")
+    # a node named like no agent ("agent", "call_model") names none: the call above is the supervisor's
+    return rows + [reward(rid, 95, value, trace=trace), runner(rid, 96, trace=trace)]
+
+
+def test_a_langgraph_node_named_after_an_agent_runs_that_agent(tmp_path):
+    write(tmp_path, _supervisor_rollout("r1", 1.0) + _supervisor_rollout("r2", 0.0))
+    table, metrics = build(tmp_path)
+    assert sorted(table.column("agent_name").to_pylist()) == ["math_expert", "math_expert", "supervisor", "supervisor"]
+    table, metrics = build(tmp_path, agent_match="^supervisor$")
+    assert table.column("agent_name").to_pylist() == ["supervisor", "supervisor"]
+    assert metrics["transitions/dropped_calls/agent_mismatch"] == 2

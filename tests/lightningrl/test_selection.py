@@ -1,5 +1,5 @@
 """Selection and drop accounting: time and model-version windows, truncated and duplicate calls,
-re-sent and late spans (lightningrl/builder.py, lightningrl/config.py)."""
+re-sent and late spans (lightningrl/selection.py, lightningrl/config.py)."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """Per-rollout output: multi-turn prefix merging, loss masks, mismatch kinds, and the trainer
-honouring the masks (lightningrl/sequences.py, the per_rollout path of builder.py, trainer collate)."""
+honouring the masks (lightningrl/sequences.py, the per_rollout path of assignment.py, trainer collate)."""
 
 from types import SimpleNamespace
 
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightspan import store
-from lightspan.lightningrl import builder, sequences
+from lightspan.lightningrl import assignment, sequences
 from lightspan.lightningrl.config import OUTPUTS
 from lightspan.lightningrl.sequences import classify_mismatch, merge
-from lightspan.trainer.loop import collate
+from lightspan.trainer.batches import collate
 from lightspan.trainer.loss import policy_loss, token_logprobs
 from tests.lightningrl.helpers import EPS, build, call, reward, runner, write
 
@@ -50,7 +50,7 @@ def test_doubled_im_end_in_the_completion_is_the_template():
 
 def test_mismatch_kinds_and_output_modes_are_closed_sets():
     assert sequences.MISMATCH_KINDS == ("chat_template", "retokenization", "other")
-    assert tuple(builder._OUTPUTS) == OUTPUTS == ("per_call", "per_rollout")
+    assert tuple(assignment.OUTPUTS) == OUTPUTS == ("per_call", "per_rollout")
 
 
 # --- merged sequences end to end, by hand ------------------------------------------------------

@@ -114,3 +114,86 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     while status.exists() and "zombie" not in status.read_text().lower() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not status.exists() or "zombie" in status.read_text().lower()
+
+
+# --- the agent's interpreter, and Agent Lightning's environment -----------------------------------
+
+def test_a_bare_python_is_this_environments_interpreter(tmp_path, monkeypatch):
+    """``rollout -- python agent.py`` runs lightspan's interpreter, whatever ``python`` is first on
+    PATH; and the agent's own ``python`` children (an MCP server) find it first on PATH too."""
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "python").write_text("#!/bin/sh\necho decoy\n")
+    (decoy / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{decoy}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    code = "import sys; print('agent', sys.executable)"
+    out = runner.run_one(_cfg(tmp_path), ["python", "-c", code], {"id": "t1"}, 0, None, tmp_path)
+    text = (tmp_path / f"{out.rollout_id}.log").read_text()
+    assert out.outcome == "ok" and f"agent {sys.executable}" in text, text
+    for name in ("python3", "python3.11"):
+        assert runner.instrumented([name, "a.py"])[1:] == [sys.executable, "a.py"]
+    for as_given in (["/opt/other/bin/python", "a.py"], ["node", "a.js"], ["pythonista"]):
+        assert runner.instrumented(as_given)[1:] == as_given
+    # the agent's own `python` children (an MCP server) find its interpreter first, as if its
+    # virtual environment were activated
+    if sys.prefix != sys.base_prefix:
+        assert runner.activated_path(["python", "a.py"], f"{decoy}:/bin") == f"{Path(sys.executable).parent}:{decoy}:/bin"
+    other = tmp_path / "venv"
+    (other / "bin").mkdir(parents=True)
+    (other / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert runner.activated_path([str(other / "bin" / "python3"), "a.py"], "/bin") == f"{other / 'bin'}:/bin"
+    assert runner.activated_path(["/usr/bin/python3", "a.py"], "/bin") == "/bin"      # not a venv
+    assert runner.activated_path(["node", "a.js"], "/bin") == "/bin"
+
+
+def test_agent_lightning_agents_get_their_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("AGL_KEY", raising=False)
+    cfg = _cfg(tmp_path, openai_base_url="http://127.0.0.1:9/v1", collector_api_url="http://127.0.0.1:8321/",
+               env_map=("QUESTION=input.question", "RESULT=input.result", "STEPS=input.steps",
+                        "FIRST=input.steps.0", "TASK=input", "GSM8K_MODEL=/models/tiny"))
+    task = {"id": "t/1", "question": "1 + 1?", "result": "2", "steps": ["a", "b"]}
+    env = runner.agent_environment(cfg, task, "t/1-abc", None)
+    assert env["AGL_OPENAI_BASE_URL"] == env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1"
+    assert env["AGL_KEY"] == env["OPENAI_API_KEY"] == "lightspan"
+    assert env["AGL_EVENT_URL"] == "http://127.0.0.1:8321/v1/rollouts/t%2F1-abc/events"
+    assert (env["QUESTION"], env["RESULT"], env["FIRST"], env["GSM8K_MODEL"]) == ("1 + 1?", "2", "a", "/models/tiny")
+    assert json.loads(env["STEPS"]) == ["a", "b"] and json.loads(env["TASK"]) == task
+    # the caller's key is the agent's, Agent Lightning's included
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-mine")
+    assert runner.agent_environment(cfg, task, "r", None)["AGL_KEY"] == "sk-mine"
+    # behind the gateway, Agent Lightning's base URL is the gateway's per-rollout one too
+    gw = runner.agent_environment(_cfg(tmp_path, gateway_url="http://127.0.0.1:8100"), task, "r", None)
+    assert gw["AGL_OPENAI_BASE_URL"] == gw["OPENAI_BASE_URL"] and "/rollouts/r/" in gw["OPENAI_BASE_URL"]
+
+
+def test_env_map_errors_name_the_field_and_the_task_line(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.env_map"):
+        _cfg(tmp_path, env_map=("no-equals-sign",))
+    with pytest.raises(ConfigError, match="rollout.env_map"):
+        _cfg(tmp_path, env_map=("1BAD=input.question",))
+    cfg = _cfg(tmp_path, tasks=[{"id": "a", "question": "q"}, {"id": "b"}], env_map=("QUESTION=input.question",))
+    with pytest.raises(ConfigError, match=r"tasks.jsonl:2: QUESTION=input.question: the task has no 'question'"):
+        runner.run(cfg, ["python", "-c", "pass"])
+
+
+def test_an_agent_class_runs_as_agent_lightnings_runner_runs_it(tmp_path, monkeypatch, capsys):
+    """``python -m lightspan.rollout.agent_class MODULE.CLASS`` (the runner starts it like any
+    command): sync and async ``run``; a failing one exits 1 with its traceback; imported from the
+    working directory."""
+    from lightspan.rollout import agent_class
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "agents.py").write_text(
+        "import asyncio\n"
+        "class Sync:\n    def run(self):\n        print('sync ran')\n"
+        "class Async:\n    async def run(self):\n        await asyncio.sleep(0)\n        print('async ran')\n"
+        "class Fails:\n    async def run(self):\n        raise RuntimeError('the agent broke')\n"
+        "not_a_class = 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert agent_class.main(["pkg.agents.Sync"]) == 0 and "sync ran" in capsys.readouterr().out
+    assert agent_class.main(["pkg.agents:Async"]) == 0 and "async ran" in capsys.readouterr().out
+    assert agent_class.main(["pkg.agents.Fails"]) == 1 and "RuntimeError: the agent broke" in capsys.readouterr().err
+    assert agent_class.main(["pkg.agents.not_a_class"]) == 1 and "is not a class" in capsys.readouterr().err
+    assert agent_class.main([]) == 2

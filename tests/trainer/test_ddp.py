@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from lightspan import store
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import run, shard_groups
+from lightspan.trainer.batches import shard_groups
+from lightspan.trainer.driver import run
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 The runs are launched as a user would launch them on GPUs, with deploy/accelerate/fsdp.yaml,
 overriding only the process count and the mixed precision (no bf16 on this CPU-only machine).
 accelerate alone would turn that launch into DDP on a machine without CUDA; the trainer selects
-FSDP2 over gloo instead (trainer/loop.py, ``_fsdp_on_cpu``), so the parameters really are
+FSDP2 over gloo instead (trainer/distributed.py, ``fsdp_on_cpu``), so the parameters really are
 DTensor shards here, gathered onto rank 0 for every checkpoint.
 
 Tolerances: two ranks sum the same per-token gradients in another order than one process
@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 from lightspan import store
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import STATE_FILE, named_optimizer_state, numbered_optimizer_state, run
+from lightspan.trainer.checkpoints import STATE_FILE, named_optimizer_state, numbered_optimizer_state
+from lightspan.trainer.driver import run
 from tests.conftest import free_port
 from tests.trainer.test_ddp import STEPS, batches, config_args
 

@@ -1,7 +1,9 @@
-"""The training loop on the tiny model with synthetic transitions (trainer/loop.py, config.py)."""
+"""The training loop on the tiny model with synthetic transitions (trainer/loop.py, batches.py, checkpoints.py,
+driver.py, config.py)."""
 
 import json
 import logging
+import math
 
 import pyarrow as pa
 import pytest
@@ -9,10 +11,13 @@ import torch
 from safetensors import safe_open
 
 from lightspan import store
-from lightspan.config import ConfigError, resolve
-from lightspan.trainer.config import TrainerConfig, parse_duration
-from lightspan.trainer.loop import CONFIG_FILE, STATE_FILE, Cursor, Trainer, collate, run
-from lightspan.trainer.loss import token_logprobs
+from lightspan.config import ConfigError, parse_duration, resolve
+from lightspan.trainer.config import TrainerConfig
+from lightspan.trainer.batches import Cursor, collate
+from lightspan.trainer.checkpoints import CONFIG_FILE, STATE_FILE
+from lightspan.trainer.driver import run
+from lightspan.trainer.loop import Trainer
+from lightspan.trainer.loss import policy_loss, token_logprobs
 
 torch.set_num_threads(1)
 
@@ -189,3 +194,42 @@ def test_run_continuous_stops_after_max_steps(tmp_path, tiny_model):
     assert run(cfg) == 0
     assert json.loads((tmp_path / "data" / "policy.json").read_text())["version"] == 2
     assert store.connect(cfg.data_dir).execute("SELECT count(*) FROM train_steps").fetchone()[0] == 2
+
+
+def test_the_stored_grad_norm_is_the_norm_the_step_clipped(tmp_path, tiny_model):
+    cfg = make_config(tmp_path, tiny_model, learning_rate=1e-2, max_grad_norm=1e-3, micro_batch_size=16)
+    write(cfg.data_dir, good_and_bad(created=1))
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    # the step's gradient, computed here on the same batch: one micro-batch, one pass (ratio 1)
+    mb = collate(trainer.next_batch().rows, 0)
+    logprobs, _ = token_logprobs(trainer.model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), mb.advantages, mb.completion_mask, loss_type=cfg.loss_type,
+                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, behaviour_logprobs=mb.behaviour_logprobs,
+                          is_correction=cfg.is_correction, is_cap=cfg.is_cap, is_floor=cfg.is_floor)
+    loss.backward()
+    expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()
+                                                           if p.grad is not None])))
+    trainer.model.zero_grad(set_to_none=True)
+
+    row = trainer.train_once()
+
+    stored = store.connect(cfg.data_dir).execute("SELECT grad_norm FROM train_steps").fetchone()[0]
+    assert stored == pytest.approx(expected, rel=1e-4)
+    assert stored > 100 * cfg.max_grad_norm            # the norm before clipping, not after
+    assert row["grad_norm"] == stored == trainer.metrics.gauges["grad_norm"]
+
+
+def test_rows_with_missing_or_non_finite_logprobs_are_malformed_and_never_reach_the_loss(tmp_path, tiny_model):
+    cfg = make_config(tmp_path, tiny_model, learning_rate=1e-2)
+    write(cfg.data_dir, good_and_bad(created=100) + [
+        transition("nan", [70, 71], 1.0, created=100, logprobs=[-5.5, float("nan")]),
+        transition("inf", [70, 71], -1.0, created=100, logprobs=[float("-inf"), -5.5]),
+        transition("null", [70, 71], 1.0, created=100, logprobs=[-5.5, None]),
+    ])
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    row = trainer.train_once()
+    assert row["skipped_malformed"] == 3 and row["num_transitions"] == 8
+    assert all(math.isfinite(row[k]) for k in ("loss", "is_ratio_mean", "grad_norm"))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

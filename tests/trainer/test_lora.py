@@ -10,7 +10,9 @@ from safetensors import safe_open
 from lightspan import store
 from lightspan.config import ConfigError
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import STATE_FILE, Trainer, collate
+from lightspan.trainer.batches import collate
+from lightspan.trainer.checkpoints import STATE_FILE
+from lightspan.trainer.loop import Trainer
 from lightspan.trainer.lora import reference
 from lightspan.trainer.loss import token_logprobs
 

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from lightspan.trainer.loss import (AGGREGATIONS, BatchTotals, is_weight, k3_kl, policy_loss, token_logprobs,
-                                    truncated_is_weight)
+from lightspan.trainer.loss import AGGREGATIONS, BatchTotals, is_weight, k3_kl, policy_loss, token_logprobs
 
 torch.set_num_threads(1)
 
@@ -66,7 +65,7 @@ def test_truncated_importance_sampling():
     old = torch.log(torch.tensor([[0.3, 0.2]]))
     # pi_old / pi_vllm = 3.0 (truncated to the cap 2.0) and 0.5
     behaviour = old - torch.log(torch.tensor([[3.0, 0.5]]))
-    weight, raw = truncated_is_weight(old, behaviour, cap=2.0)
+    weight, raw = is_weight(old, behaviour, torch.ones(1, 2), mode="token_truncate", cap=2.0)   # Yao et al. 2025
     assert torch.allclose(weight, torch.tensor([[2.0, 0.5]]))
     assert torch.allclose(raw, torch.tensor([[3.0, 0.5]]))
     mask, adv = torch.ones(1, 2), torch.tensor([1.0])
@@ -249,3 +248,25 @@ def test_the_trainer_passes_the_objective_options_through(tmp_path, tiny_model):
     assert row["is_ratio_mean"] == 0 and row["loss"] == 0 and not moved
     row, moved = step("truncated", -2.0, loss_type="cispo", is_correction="sequence_truncate", is_floor=0.5)
     assert row["is_ratio_mean"] == pytest.approx(0.5) and row["loss"] != 0 and moved
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_recorded_logprob_at_a_masked_position_cannot_poison_the_loss(loss_type, mode, bad):
+    # MASK's padded position (completion 0, token 2) holds a logprob vLLM never sampled there
+    p = torch.tensor([[0.3, 0.2, 0.5], [0.1, 0.4, 0.6]])
+    behaviour = torch.log(p) - 0.1                  # rho = e^0.1 a token, e^0.3 a sequence: inside [0, 2]
+    poisoned = behaviour.clone()
+    poisoned[0, 2] = bad
+    kw = dict(loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, is_correction=mode, is_cap=2.0)
+    results = []
+    for recorded in (behaviour, poisoned):
+        logprobs = torch.log(p).requires_grad_()
+        loss, metrics = policy_loss(logprobs, logprobs.detach(), ADV, MASK, behaviour_logprobs=recorded, **kw)
+        loss.backward()
+        results.append((loss, metrics, logprobs.grad))
+    (clean, clean_metrics, clean_grad), (loss, metrics, grad) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert loss.item() == pytest.approx(clean.item()) and torch.allclose(grad, clean_grad)
+    assert metrics == pytest.approx(clean_metrics)

@@ -10,7 +10,8 @@ import torch
 
 from lightspan import store
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.loop import Trainer, run
+from lightspan.trainer.driver import run
+from lightspan.trainer.loop import Trainer
 from lightspan.trainer.metrics import COUNTERS, GAUGES, PREFIX, MetricsServer, TrainerMetrics
 from lightspan.trainer.sync import SyncError
 
@@ -77,7 +78,7 @@ def test_run_serves_the_step_metrics_while_it_trains(tmp_path, tiny_model):
     assert len(rows) == 1
     row = rows[0]
     assert page[PREFIX + "policy_version"] == 1
-    for name in ("reward_mean", "loss", "kl", "clip_ratio", "entropy", "is_ratio_mean", "staleness_mean"):
+    for name in ("reward_mean", "loss", "kl", "clip_ratio", "entropy", "is_ratio_mean", "staleness_mean", "grad_norm"):
         assert page[PREFIX + name] == pytest.approx(row[name], rel=1e-9, abs=1e-12), name
     advantages = torch.tensor([1.0, 0.5, -1.5], dtype=torch.float64)
     assert page[PREFIX + "advantage_std"] == pytest.approx(float(advantages.std(unbiased=False)))

@@ -1,4 +1,4 @@
-"""The ``nccl`` weight sync (trainer/sync.py NcclSync): its HTTP protocol, errors and retries, and
+"""The ``nccl`` weight sync (trainer/nccl.py NcclSync): its HTTP protocol, errors and retries, and
 the trainer's start-up refusal where it cannot run.
 
 NCCL needs GPUs and a GPU build of vLLM, neither of which exists on the machines this suite runs
@@ -27,10 +27,11 @@ import pyarrow as pa
 import pytest
 import torch
 from lightspan import store
-from lightspan.trainer import sync as sync_module
+from lightspan.trainer import nccl as nccl_module
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
-from lightspan.trainer.sync import NcclSync, SyncError, nccl_problem
+from lightspan.trainer.nccl import NcclSync, nccl_problem
+from lightspan.trainer.sync import SyncError
 
 from lightspan.config import ConfigError
 
@@ -370,7 +371,7 @@ def test_errors_say_how_to_start_vllm(fake, model, tmp_path):
 def test_the_trainer_syncs_a_step_over_nccl_and_verifies_what_vllm_serves(fake, tiny_model, tmp_path,
                                                                           monkeypatch):
     # the start-up check would refuse on this CPU machine: the transport it guards is the stub's
-    monkeypatch.setattr(sync_module, "nccl_problem", lambda: None)
+    monkeypatch.setattr(nccl_module, "nccl_problem", lambda: None)
     cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path / "data"), vllm_url=fake.url, sync="nccl",
                         served_model_name="policy", torch_threads=1, learning_rate=1e-2, metrics_port=0)
     trainer = Trainer(cfg)
@@ -455,7 +456,7 @@ def test_the_trainer_refuses_nccl_when_vllm_cannot_be_imported(monkeypatch):
 
 
 def test_nccl_sends_full_weights_so_lora_is_refused(monkeypatch):
-    monkeypatch.setattr(sync_module, "nccl_problem", lambda: None)
+    monkeypatch.setattr(nccl_module, "nccl_problem", lambda: None)
     with pytest.raises(ConfigError, match="--sync lora") as err:
         TrainerConfig(model="m", sync="nccl", lora_r=16)
     assert err.value.field == "trainer.sync"
