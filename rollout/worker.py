@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -50,9 +51,10 @@ class WorkerError(RuntimeError):
 def python_target(command: list[str], path: str | None = None) -> dict | None:
     """``{"python", "script" | "module", "argv"}`` for ``python script.py ARGS`` or ``python -m MOD
     ARGS``; None for any other command (it runs in process mode)."""
-    if len(command) < 2 or not _PYTHON.match(Path(command[0]).name):
+    if len(command) < 2 or not _PYTHON.fullmatch(Path(command[0]).name):
         return None
-    python = shutil.which(command[0], path=path)
+    # a bare `python` is this environment's interpreter, as in process mode (rollout/runner.py)
+    python = sys.executable if "/" not in command[0] else shutil.which(command[0], path=path)
     if python is None:
         return None
     if command[1] == "-m" and len(command) > 2:

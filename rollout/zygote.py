@@ -123,9 +123,11 @@ def warm_up(spec: dict) -> dict:
                 except Exception:  # noqa: BLE001 (an exporter this environment lacks: its rollouts fail as they would)
                     pass
     preloaded, failed = [], []
-    if spec.get("script"):
-        script = Path(spec["script"]).resolve()
-        for name in top_level_imports(script, script.parent):
+    found = importlib.util.find_spec(spec["module"]) if spec.get("module") else None
+    script = Path(spec["script"]).resolve() if spec.get("script") else Path(found.origin) if found and found.origin \
+        else None
+    if script is not None and script.suffix == ".py":
+        for name in top_level_imports(script, Path(_agent_folder(spec))):
             try:
                 if _preload(name):
                     preloaded.append(name)
@@ -315,19 +317,11 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
                 pids.pop(rid, None)
                 send({"event": "exit", "id": rid, "code": _status(raw),
                       "cpu_s": round(usage.ru_utime + usage.ru_stime, 4)})
-            if learn_dir:
-                learned = os.path.join(learn_dir, f"{pid}.json")
-                try:
-                    with open(learned) as f:
-                        names = json.load(f)
-                    os.unlink(learned)
-                except (OSError, ValueError):
-                    names = []
-                unsafe = learn(names) if names else None
-                if unsafe:                   # no more forks from here: the runner starts a new zygote
-                    send({"event": "unsafe", "why": unsafe})
-                    shutil.rmtree(learn_dir, ignore_errors=True)
-                    learn_dir = None
+            unsafe = _learn_from(learn_dir, pid) if learn_dir else None
+            if unsafe:                       # no more forks from here: the runner starts a new zygote
+                send({"event": "unsafe", "why": unsafe})
+                shutil.rmtree(learn_dir, ignore_errors=True)
+                learn_dir = None
 
     try:
         while True:
@@ -363,6 +357,18 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
     finally:
         if learn_dir:
             shutil.rmtree(learn_dir, ignore_errors=True)
+
+
+def _learn_from(learn_dir: str, pid: int) -> str | None:
+    """Import what child ``pid`` reported importing (``learn``); why forking is unsafe now, if it is."""
+    path = os.path.join(learn_dir, f"{pid}.json")
+    try:
+        with open(path) as f:
+            names = json.load(f)
+        os.unlink(path)
+    except (OSError, ValueError):
+        return None
+    return learn(names) if names else None
 
 
 def _kill(pid: int) -> None:

@@ -10,7 +10,8 @@ Run it as lightspan does, unchanged, under OpenTelemetry's zero-code instrumenta
 Reward: 1 when the last integer of the reply is the answer, plus 0.2 when that correct reply also
 ends in the requested ``Answer: <number>`` form. The format bonus is gated on correctness: an
 ungated one is learned instead of the arithmetic — SmolLM2 collapsed to "Answer: <wrong number>"
-within 4 GRPO steps in our demo, as it did at temperature 1.0 (docs/architecture.md).
+within 4 GRPO steps in our demo, as it did at temperature 1.0 in an earlier probe (docs/architecture.md,
+Learning on CPU).
 """
 
 import json
