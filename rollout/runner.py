@@ -7,6 +7,10 @@ itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``e
 After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
 outcome (``ok``, ``failed``, ``timeout``): the rollout's explicit end for the transition builder.
 
+By default (``mode`` worker) the rollouts are forked from one warm interpreter (this
+environment's, as below) instead of started from nothing, with the same environment, spans, logs
+and outcomes (rollout/worker.py).
+
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
 (the command could not start, or died by a signal the runner did not send); an agent that
 exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
@@ -46,6 +50,7 @@ from lightspan import store
 from lightspan.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.progress import progress
+from lightspan.rollout.worker import Worker, start_worker, worker_failure
 from lightspan.tracing import semconv
 
 log = logging.getLogger(__name__)
@@ -75,6 +80,13 @@ class RolloutConfig:
                            env=DATA_DIR_ENV)
     service_name: str = option("agent", "OTEL_SERVICE_NAME of the agents unless the environment sets one.")
     logs_dir: str = option("", "Where each rollout's stdout/stderr goes (default: DATA_DIR/rollout-logs).")
+    mode: str = option(
+        "worker", "'worker': a warm interpreter (the agent's own Python, with the instrumentation and the "
+                  "agent's imports loaded once) forks each rollout, which runs the unchanged script as __main__ "
+                  "with its own environment, resource attributes, log, exit code and timeout "
+                  "(rollout/worker.py); commands other than `python script.py` / `python -m mod` run in process "
+                  "mode. 'process': each rollout is a fresh `opentelemetry-instrument` process, for agents "
+                  "whose libraries read per-rollout settings at import time.", choices=("worker", "process"))
     collector_api_url: str = option(
         "http://127.0.0.1:8321", "The collector's API (its api_port): agents post reward events to "
                                  "AGL_EVENT_URL = COLLECTOR_API_URL/v1/rollouts/ID/events (Agent Lightning's agents).")
@@ -240,9 +252,17 @@ class Outcome:
     attempt: int
 
 
-def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path) -> Outcome:
+def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path,
+            worker: Worker | None = None) -> Outcome:
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
     start = time.time_ns()
+    if worker is not None:  # forked from the warm zygote: the same environment, log and outcomes
+        env = agent_environment(cfg, task, rollout_id, version)
+        env["PATH"] = activated_path(command, env.get("PATH", ""))
+        code, outcome = worker.run(env, logs / f"{rollout_id}.log", cfg.timeout_s)
+        if outcome != "ok":
+            worker_failure(rollout_id, task["id"], outcome, code, logs / f"{rollout_id}.log")
+        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
     log_file = open(logs / f"{rollout_id}.log", "wb")
     env = agent_environment(cfg, task, rollout_id, version)
     env["PATH"] = activated_path(command, env.get("PATH", ""))
@@ -308,10 +328,15 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     provider = _tracer_provider(cfg)
     tracer = provider.get_tracer("lightspan.runner")
     t0 = time.monotonic()
+    worker = None
+    if cfg.mode == "worker" and tasks:   # warmed up in the environment of a rollout of the first task
+        warm = agent_environment(cfg, tasks[0], "warm-up", version)
+        worker = start_worker(command, {**warm, "PATH": activated_path(command, warm.get("PATH", ""))},
+                              logs / "worker.log")
 
     def attempt_all(task):
         for attempt in range(cfg.retries + 1):
-            o = run_one(cfg, command, task, attempt, version, logs)
+            o = run_one(cfg, command, task, attempt, version, logs, worker)
             record_outcome(tracer, cfg, o)
             if o.outcome != "infra":
                 return o
@@ -329,9 +354,13 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
             bar.advance()
         return o
 
-    with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
-        outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
+    try:
+        with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
+            outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
+    finally:
+        if worker is not None:
+            worker.close()
     provider.shutdown()  # flushes the outcome spans to the collector
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
     return {"rollouts": len(outcomes), **counts, "policy_version": version,
-            "wall_seconds": round(time.monotonic() - t0, 2)}
+            "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker"}

@@ -542,6 +542,17 @@ async def _async_post(wrapped, instance, args, kwargs):
     return _finish(resp, cap, stream, span, owned)
 
 
+def attach(provider=None) -> None:
+    """Register the span processor of 5. on ``provider`` (default: the instrumentor's, else the global
+    one) when it is an SDK provider that lacks it. ``instrument()`` calls it; so does a process that
+    sets its SDK provider only after instrumenting, as a rollout worker's child does (rollout/zygote.py)."""
+    provider = provider or _tracer_provider or trace.get_tracer_provider()
+    # the SDK cannot remove a processor: register once per provider, switch it with `active`
+    if hasattr(provider, "add_span_processor") and provider not in _PROVIDERS:
+        provider.add_span_processor(_NESTING)
+        _PROVIDERS.add(provider)
+
+
 class LightspanInstrumentor(BaseInstrumentor):
     """Adds token-id and logprob capture to the ``openai`` client (see the module docstring)."""
 
@@ -551,11 +562,7 @@ class LightspanInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs):
         global _tracer_provider
         _tracer_provider = kwargs.get("tracer_provider")
-        provider = _tracer_provider or trace.get_tracer_provider()
-        # the SDK cannot remove a processor: register once per provider, switch it with `active`
-        if hasattr(provider, "add_span_processor") and provider not in _PROVIDERS:
-            provider.add_span_processor(_NESTING)
-            _PROVIDERS.add(provider)
+        attach()
         _NESTING.active = True
         wrap_function_wrapper("openai._base_client", "SyncAPIClient.post", _sync_post)
         wrap_function_wrapper("openai._base_client", "AsyncAPIClient.post", _async_post)
