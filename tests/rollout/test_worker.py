@@ -177,7 +177,7 @@ def test_a_crash_or_a_hang_ends_only_its_own_rollout(collector, vllm_server, tin
     tasks = [{**t, "prompt": "Hi", "pid_file": str(tmp_path / f"{t['id']}.pid")} for t in tasks]
     t0 = time.monotonic()
     results, spans = compare_modes(collector, vllm_server, tmp_path, AGENTS / "moody_agent.py", tasks,
-                                   samples=1, timeout_s=20)
+                                   samples=1, timeout_s=45)
     assert {k: results["worker"][k] for k in ("ok", "failed", "timeout", "infra")} == \
         {"ok": 2, "failed": 1, "timeout": 1, "infra": 0}
     outcome = {task: {s[7] for s in shapes[0] if s[0] == "lightspan.runner"} for task, shapes in spans.items()}
@@ -188,4 +188,4 @@ def test_a_crash_or_a_hang_ends_only_its_own_rollout(collector, vllm_server, tin
     pid = int((tmp_path / "hang.pid").read_text())
     status = Path(f"/proc/{pid}/status")
     assert not status.exists() or "zombie" in status.read_text().lower()
-    assert results["worker"]["wall_seconds"] < 60 and time.monotonic() - t0 < 300
+    assert results["worker"]["wall_seconds"] < 80 and time.monotonic() - t0 < 400
