@@ -68,6 +68,12 @@ class AnthropicCapture:
     def temperature(self):
         return self.chat.temperature
 
+    def add(self, payload, *, hide: bool = False) -> None:
+        """An answer of ``/v1/messages`` itself (a request sent as it is): nothing to read there."""
+
+    def add_json(self, payload: dict, hide: bool = False) -> None:
+        """(As :meth:`add`.)"""
+
     def message(self, completion: dict) -> dict:
         """The Anthropic message of vLLM's chat completion (its ids read first)."""
         self.chat.add_json(completion)
