@@ -257,7 +257,11 @@ def prepare(library: str, instance, args, kwargs):
 
 def _not_captured(library: str, api: str, base: str, raw: str, body: dict, options, kwargs):
     if not urls.gateway_mode(raw):
-        REPORT.count(OTHER_URL, _other_url_reason(base, raw), url=base)
+        reason = _other_url_reason(base, raw)
+        REPORT.count(OTHER_URL, reason, url=base)
+        current = trace.get_current_span()   # the instrumentation's span of the call says so too
+        if spans.is_llm_span(current) and semconv.CAPTURE_STATUS not in current.attributes:
+            current.set_attributes({semconv.CAPTURE_STATUS: OTHER_URL, semconv.CAPTURE_REASON: reason})
         return None, kwargs
     REPORT.count(GATEWAY)
     if api != urls.RESPONSES:

@@ -57,7 +57,8 @@ CAPTURE_STATUS = "lightspan.capture.status"
 ids are recorded, the logprobs are not: vLLM's Responses API), ``logprobs_mismatch``,
 ``multiple_prompts``, ``multiple_turns``, ``unsupported_request`` (a request lightspan sends as it
 is), ``unparsed_response``, ``stream_incomplete`` (the stream was not read to its end),
-``capture_error``, ``upstream_error`` (gateway), or ``duplicate`` (see below). A call with any
+``capture_error``, ``other_url`` (a call to a server that is not a capture URL), ``upstream_error``
+(gateway), or ``duplicate`` (see below). A call with any
 status but ``ok`` is not trained; ``lightspan.capture.reason`` says why and what to do."""
 CAPTURE_REASON = "lightspan.capture.reason"
 """On an LLM span whose capture status is not ``ok``: why, and the fix, in words."""
