@@ -176,7 +176,8 @@ def _sync_post(library: str, wrapped, instance, args, kwargs):
     args = call.args(args)
     try:
         with trace.use_span(call.span, end_on_exit=False) if call.owned else nullcontext():
-            token = FEEDING.set(call)  # the response is decoded inside: the JSON hook feeds the call
+            # the response is decoded inside: the JSON hook feeds the call (one that captures)
+            token = FEEDING.set(call if call.cap is not None else None)
             try:
                 resp = wrapped(*args, **kwargs)
             finally:
@@ -206,7 +207,7 @@ async def _async_post(library: str, wrapped, instance, args, kwargs):
     args = call.args(args)
     try:
         with trace.use_span(call.span, end_on_exit=False) if call.owned else nullcontext():
-            token = FEEDING.set(call)
+            token = FEEDING.set(call if call.cap is not None else None)
             try:
                 resp = await wrapped(*args, **kwargs)
             finally:

@@ -329,3 +329,30 @@ def test_agent_lightnings_agents_get_the_ids_they_read(captured, monkeypatch):
     assert len(agl.choices[0].model_extra["token_ids"]) == 4 and agl.choices[0].logprobs is not None
     assert len(chat.choices[0].model_extra["token_ids"]) == 4 and chat.model_extra["prompt_token_ids"]
     assert [s.attributes[semconv.CAPTURE_STATUS] for s in _calls(exporter)] == ["ok", "ok", "ok"]
+
+
+def test_behind_a_gateway_a_responses_call_sends_its_span(monkeypatch):
+    """LIGHTSPAN_CAPTURE_URLS=none: the gateway captures. traceloop's Responses span starts only
+    after the call and sends no trace context, so lightspan's own span of the call does: the
+    gateway's span is its child, and store/views.py keeps one row for the call."""
+    import httpx2
+    from openai import OpenAI
+
+    sent = []
+
+    def handler(request):
+        sent.append((dict(request.headers), json.loads(request.content)))
+        return httpx2.Response(200, json={"id": "r", "object": "response", "created_at": 0, "model": "policy",
+                                          "status": "completed", "output": [], "parallel_tool_calls": True,
+                                          "tool_choice": "auto", "tools": []})
+
+    monkeypatch.setenv("LIGHTSPAN_CAPTURE_URLS", "none")
+    with _instrumented() as exporter:
+        client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
+                        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+        client.responses.create(model="policy", input="hi")
+    ((headers, body),) = sent
+    assert "enable_response_messages" not in body and "include" not in body
+    (span,) = [s for s in exporter.get_finished_spans() if s.instrumentation_scope.name == "lightspan.instrumentor"]
+    assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")
+    assert semconv.CAPTURE_STATUS not in span.attributes
