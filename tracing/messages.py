@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+import orjson
+
 from lightspan.tracing.capture import _get
 
 
@@ -54,7 +56,8 @@ def _append(messages: list, role: str, parts: list) -> None:
 
 
 def dumps(messages: list) -> str:
-    return json.dumps(messages, ensure_ascii=False, default=str)
+    """The attribute's JSON text (orjson: several times ``json``'s speed on a long prompt)."""
+    return orjson.dumps(messages, default=str).decode()
 
 
 # --- chat completions ---------------------------------------------------------------------------

@@ -108,7 +108,7 @@ class ConvertedDecoder(CapturedDecoder):
         return out
 
     def _converted(self, name: str, data: dict):
-        return self.event_type(None, None, name, orjson.dumps(data).decode(), None, None, decoded=data)
+        return self.event_type(None, None, name, None, None, None, decoded=data)
 
     def _pass(self, sse) -> None:
         pass
@@ -128,11 +128,18 @@ def event_type(library: str) -> type:
             super().__init__(event=event, data=data, id=id, retry=retry)
             self._lightspan = (call, read, decoded)
 
+        @property
+        def data(self) -> str:
+            # a converted event's text is made only if someone reads it (the client takes json())
+            if self._data is None:
+                self._data = orjson.dumps(self._lightspan[2]).decode()
+            return self._data
+
         def json(self):
             call, read, decoded = self._lightspan
             if decoded is not None:
                 return decoded
-            return read(call, self.data)
+            return read(call, self._data)
 
     return CapturedEvent
 
