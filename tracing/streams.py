@@ -131,7 +131,7 @@ def event_type(library: str) -> type:
         @property
         def data(self) -> str:
             # a converted event's text is made only if someone reads it (the client takes json())
-            if self._data is None:
+            if not self._data and self._lightspan[2] is not None:   # (anthropic's __init__ makes None "")
                 self._data = orjson.dumps(self._lightspan[2]).decode()
             return self._data
 

@@ -117,7 +117,7 @@ def test_chat_completions(captured, stream):
     assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
 
 
-@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_stream"])
+@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_stream", "streaming_response"])
 def test_responses_api(captured, how):
     exporter, recorder = captured
     kwargs = dict(model="policy", input="Say hi.", max_output_tokens=6)
@@ -134,9 +134,15 @@ def test_responses_api(captured, how):
         with _openai(recorder).responses.stream(**kwargs) as stream:
             list(stream)
             assert stream.get_final_response().model_extra["output_messages"] is None
-    else:
+    elif how == "async_stream":
         async def run():
             return [e async for e in await _openai(recorder, True).responses.create(**kwargs, stream=True)]
+        assert asyncio.run(run())[-1].type == "response.completed"
+    else:   # the OpenAI Agents SDK's streams: with_streaming_response, then parse()
+        async def run():
+            client = _openai(recorder, True)
+            async with client.responses.with_streaming_response.create(**kwargs, stream=True) as response:
+                return [e async for e in await response.parse()]
         assert asyncio.run(run())[-1].type == "response.completed"
     (span,) = _calls(exporter)
     (exchange,) = recorder.exchanges
@@ -253,11 +259,14 @@ def _sequences(tmp_path, calls) -> list:
     """The per-rollout transitions the builder makes of one rollout with these captured calls."""
     from tests.lightningrl.helpers import build, call, reward, runner, write
 
-    rows = [call("r", 20 * i, 20 * i + 10, prompt=p, completion=c, logprobs=lp, tokens=lp is not None)
-            for i, (p, c, lp) in enumerate(calls)]
-    write(tmp_path, rows + [reward("r", 100, 1.0), runner("r", 110)])
+    rows = []
+    for rollout, value in (("r", 1.0), ("r2", 0.0)):   # a group of two: GRPO needs a sibling
+        rows += [call(rollout, 20 * i, 20 * i + 10, prompt=p, completion=c, logprobs=lp, tokens=lp is not None)
+                 for i, (p, c, lp) in enumerate(calls)]
+        rows += [reward(rollout, 100, value), runner(rollout, 110)]
+    write(tmp_path, rows)
     table, _ = build(tmp_path, output="per_rollout")
-    return table.to_pylist()
+    return [t for t in table.to_pylist() if t["rollout_id"] == "r"]
 
 
 def test_chat_turns_around_a_tool_call_are_one_sequence(captured, tmp_path):
