@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import sys
-import weakref
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -78,7 +77,7 @@ class Call:
     def returned(self) -> None:
         """The client's call returned: traceloop's Responses wrapper starts its span of it next."""
         if self.api == urls.RESPONSES and self.owned:
-            spans.NESTING.responses_call.set(weakref.ref(self.span))
+            spans.NESTING.responses_call.set(spans.span_id(self.span))
 
     def passed(self, resp):
         """A call this process does not capture (a gateway does) but holds a span for."""

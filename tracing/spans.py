@@ -54,8 +54,10 @@ def span_id(span) -> str:
 
 
 def mark_duplicate(span, of) -> None:
+    """Mark ``span`` as describing the call that span ``of`` (a span, or its hex id) carries."""
     if span.is_recording():
-        span.set_attributes({semconv.CAPTURE_STATUS: "duplicate", semconv.CAPTURE_DUPLICATE_OF: span_id(of)})
+        span.set_attributes({semconv.CAPTURE_STATUS: "duplicate",
+                             semconv.CAPTURE_DUPLICATE_OF: of if isinstance(of, str) else span_id(of)})
 
 
 class Nesting(SpanProcessor):
@@ -71,7 +73,8 @@ class Nesting(SpanProcessor):
         self.owned: weakref.WeakSet = weakref.WeakSet()   # lightspan's own open call spans
         # the span most recently started in this context (thread or task), weakly (docstring, 2.)
         self.last_started: contextvars.ContextVar = contextvars.ContextVar("lightspan_last_started", default=None)
-        # lightspan's span of the Responses call that just returned here: traceloop's span comes next
+        # the hex id of lightspan's span of the Responses call that just returned here (the span may be
+        # gone by then: it has ended): traceloop's span of the call starts next
         self.responses_call: contextvars.ContextVar = contextvars.ContextVar("lightspan_responses_call", default=None)
         self.active = True
 
@@ -94,11 +97,10 @@ class Nesting(SpanProcessor):
             self.last_started.set(weakref.ref(span))
         except TypeError:  # a span type that cannot be weakly referenced
             return
-        ref = self.responses_call.get()
-        if ref is not None:
+        ours = self.responses_call.get()
+        if ours is not None:
             self.responses_call.set(None)
-            ours = ref()
-            if ours is not None and getattr(span, "name", None) == TRACELOOP_RESPONSES_SPAN:
+            if getattr(span, "name", None) == TRACELOOP_RESPONSES_SPAN:
                 mark_duplicate(span, ours)
                 return
         parent = trace.get_current_span(parent_context)

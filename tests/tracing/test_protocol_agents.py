@@ -183,7 +183,7 @@ def test_calls_that_cannot_be_captured_are_shown(collector, recorder, vllm_serve
         SELECT num_uncaptured_calls, capture_problem, capture_reason FROM rollouts
         WHERE task_id = 'mix-task' AND num_llm_calls > 0""").fetchall()
     assert len(rows) == SAMPLES
-    assert all(n == 3 and problem == "no_logprobs" and "Responses API" in reason for n, problem, reason in rows)
+    assert all(n == 3 and problem == "no_logprobs" and "Responses API" in reason for n, problem, reason in rows), rows
     statuses = Counter(status for _, status, *_ in _stored_calls(con, "mix-task"))
     assert statuses == {"ok": SAMPLES, "other_url": SAMPLES, "no_logprobs": 2 * SAMPLES}
     con.close()

@@ -152,13 +152,14 @@ def test_responses_api(captured, how):
     prompt, completion, logprobs = responses_returned(exchange)
     stored = _stored(span)
     assert stored[:2] == (prompt, completion) and len(prompt) > 0 and len(completion) > 0
-    if how == "response":   # a text answer carries a logprob per token
-        assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and stored[2] == logprobs
-    else:                   # a stream loses those of tokens whose delta has no text: said so
-        status = span.attributes[semconv.CAPTURE_STATUS]
-        assert status == ("ok" if len(logprobs) == len(completion) else "no_logprobs")
-        if status == "no_logprobs":
-            assert stored[2] is None and "Responses API" in span.attributes[semconv.CAPTURE_REASON]
+    # the logprobs when vLLM gave one per token; it gives none for tokens without text (a stream's
+    # end-of-turn token, a reply whose text is empty), and the span says so
+    status = span.attributes[semconv.CAPTURE_STATUS]
+    assert status == ("ok" if len(logprobs) == len(completion) else "no_logprobs")
+    if status == "ok":
+        assert stored[2] == logprobs
+    else:
+        assert stored[2] is None and "Responses API" in span.attributes[semconv.CAPTURE_REASON]
     assert span.attributes[semconv.GEN_AI_OPERATION_NAME] == "chat"
     assert span.instrumentation_scope.name == "lightspan.instrumentor"
 
@@ -225,7 +226,18 @@ def test_anthropic_answers_as_vllms_own_messages_route(captured, vllm_server, bo
     adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
 
     def dumped(events):
-        out = [e.model_dump() for e in events]
+        """The events, a block's consecutive deltas joined: how many tokens one delta holds depends on
+        the engine's timing (vLLM's own route differs from run to run too), not on the conversion."""
+        out = []
+        for e in (e.model_dump() for e in events):
+            last = out[-1] if out else None
+            if (last and e["type"] == last["type"] == "content_block_delta" and e["index"] == last["index"]
+                    and e["delta"]["type"] == last["delta"]["type"]):
+                key = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking"}[
+                    e["delta"]["type"]]
+                last["delta"][key] += e["delta"][key]
+            else:
+                out.append(e)
         out[0]["message"].pop("id")
         return out
 
@@ -309,6 +321,10 @@ def test_responses_turns_around_a_tool_call(captured, tmp_path):
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
     client.responses.create(model="policy", input=history, tools=tools, max_output_tokens=6)
     one, two = _calls(exporter)
+    # traceloop starts its span of a completed call (the first; the second stops at its length limit)
+    # after the call, beside ours: marked as ours
+    theirs = [s for s in exporter.get_finished_spans() if s.name == "openai.response"]
+    assert [s.attributes.get(semconv.CAPTURE_DUPLICATE_OF) for s in theirs] == [format(one.context.span_id, "016x")]
     assert one.attributes[semconv.CAPTURE_STATUS] == "no_logprobs"
     assert two.attributes[semconv.CAPTURE_STATUS] == "ok"
     (p1, c1, _), (p2, c2, l2) = _stored(one), _stored(two)
