@@ -1,4 +1,4 @@
-"""The views over hand-built span trees: one LLM call is one ``llm_calls`` row whatever the capture
+"""The views over hand-built span trees, for capture: one LLM call is one ``llm_calls`` row whatever the capture
 path, and the ``rollouts`` view shows the calls that could not be captured, with the reason."""
 
 from __future__ import annotations
