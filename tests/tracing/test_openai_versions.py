@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.tracing.test_frameworks import _Recorder, vllm_returned
-from tests.tracing.test_protocols import responses_returned
+from tests.tracing.test_protocols import _exchanges, responses_returned
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = ["1.66.0", "2.54.0"]   # the oldest supported, the newest of the 2.x line
@@ -65,8 +65,7 @@ def test_an_older_openai_is_captured(version, venvs, recorder, tmp_path):
     assert out["openai"] == version
     # the caller saw no logprobs and no ids it did not ask for; raw and async streams worked
     assert out["seen"] == [True, True, True, True, True, "response.completed"]
-    with recorder.lock:
-        exchanges = list(recorder.exchanges)
+    exchanges = _exchanges(recorder, 6)
     assert [path for path, *_ in exchanges] == ["/v1/chat/completions"] * 4 + ["/v1/responses"] * 2
     spans = out["spans"]
     returned = [vllm_returned(e) for e in exchanges[:4]] + [responses_returned(e) for e in exchanges[4:]]

@@ -20,6 +20,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -56,6 +57,17 @@ def captured(_traceloop, recorder):
         recorder.exchanges.clear()
     with _instrumented() as exporter:
         yield exporter, recorder
+
+
+def _exchanges(recorder, n: int) -> list:
+    """The recorder's exchanges once it holds ``n`` (it keeps one after relaying the answer: the
+    client can have it a moment before)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with recorder.lock:
+            if len(recorder.exchanges) >= n or time.monotonic() > deadline:
+                return list(recorder.exchanges)
+        time.sleep(0.01)
 
 
 def _calls(exporter) -> list:
@@ -111,7 +123,7 @@ def test_chat_completions(captured, stream):
     else:
         assert out.choices[0].logprobs is None and out.choices[0].model_extra.get("token_ids") is None
     (span,) = _calls(exporter)
-    (exchange,) = recorder.exchanges
+    (exchange,) = _exchanges(recorder, 1)
     path, sent = exchange[0], exchange[1]
     assert path == "/v1/chat/completions" and sent["return_token_ids"] is True
     assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
@@ -145,7 +157,7 @@ def test_responses_api(captured, how):
                 return [e async for e in await response.parse()]
         assert asyncio.run(run())[-1].type == "response.completed"
     (span,) = _calls(exporter)
-    (exchange,) = recorder.exchanges
+    (exchange,) = _exchanges(recorder, 1)
     path, sent = exchange[0], exchange[1]
     assert path == "/v1/responses" and sent["enable_response_messages"] is True
     assert sent["include"] == ["message.output_text.logprobs"]
@@ -182,7 +194,7 @@ def test_anthropic_messages(captured, how):
     if how != "stream":
         assert message.type == "message" and message.stop_reason == "max_tokens" and message.usage.output_tokens == 6
     (span,) = _calls(exporter)
-    (exchange,) = recorder.exchanges
+    (exchange,) = _exchanges(recorder, 1)
     path, sent = exchange[0], exchange[1]
     # the converted request, with the capture fields; the system prompt leads it, as in vLLM's conversion
     assert path == "/v1/chat/completions" and sent["return_token_ids"] is True
@@ -260,7 +272,7 @@ def test_an_anthropic_request_vllm_would_convert_otherwise_goes_as_it_is(capture
         model="policy", max_tokens=4, messages=[{"role": "system", "content": "inline"},
                                                 {"role": "user", "content": "hi"}])
     assert message.type == "message"
-    ((path, sent, _, _),) = recorder.exchanges
+    ((path, sent, _, _),) = _exchanges(recorder, 1)
     assert path == "/v1/messages" and "return_token_ids" not in sent
     (span,) = _calls(exporter)
     assert span.attributes[semconv.CAPTURE_STATUS] == "unsupported_request"
