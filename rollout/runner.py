@@ -11,6 +11,10 @@ By default (``mode`` worker) the rollouts are forked from one warm interpreter (
 environment's, as below) instead of started from nothing, with the same environment, spans, logs
 and outcomes (rollout/worker.py).
 
+Each agent process counts its LLM calls by capture outcome (the instrumentor writes them to
+``LIGHTSPAN_CAPTURE_REPORT``, one file per rollout beside its log); the summary adds them up, and a
+call that could not be captured is flagged there with the reason and the fix (:func:`capture_summary`).
+
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
 (the command could not start, or died by a signal the runner did not send); an agent that
 exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
@@ -54,6 +58,7 @@ from lightspan.rollout.worker import Worker, start_worker, worker_failure
 from lightspan.tracing import semconv
 
 log = logging.getLogger(__name__)
+CAPTURE_REPORT_ENV = "LIGHTSPAN_CAPTURE_REPORT"   # tracing/report.py
 
 
 @dataclass(frozen=True)
@@ -179,9 +184,11 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_endpoint(cfg),
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": cfg.otlp_protocol,
         "OPENAI_BASE_URL": base_url,
+        # the anthropic client adds /v1/messages to its base URL itself
+        "ANTHROPIC_BASE_URL": base_url[:-3] if base_url.rstrip("/").endswith("/v1") else base_url,
         "LIGHTSPAN_CAPTURE_URLS": capture,
         "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
-        "OPENAI_API_KEY": "lightspan",
+        "OPENAI_API_KEY": "lightspan", "ANTHROPIC_API_KEY": "lightspan",
         # Agent Lightning's agents: its base URL, key and event URL (reward events -> rewards)
         "AGL_OPENAI_BASE_URL": base_url, "AGL_KEY": "lightspan",
         "AGL_EVENT_URL": f"{cfg.collector_api_url.rstrip('/')}/v1/rollouts/{quote(rollout_id, safe='')}/events",
@@ -206,7 +213,8 @@ def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: 
     ours = rollout_env(cfg, task, rollout_id, version, env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
     if env.get("OPENAI_API_KEY"):   # the caller's key is the agent's key, Agent Lightning's too
         ours["AGL_KEY"] = env["OPENAI_API_KEY"]
-    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY", "AGL_KEY"):  # the caller's own choice wins for these
+    # the caller's own choice wins for these
+    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AGL_KEY"):
         if env.get(key):
             ours.pop(key)
     env.update(ours)
@@ -250,22 +258,23 @@ class Outcome:
     start_ns: int
     end_ns: int
     attempt: int
+    capture: dict | None = None   # the agent's capture report (tracing/report.py), if it wrote one
 
 
 def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path,
             worker: Worker | None = None) -> Outcome:
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
     start = time.time_ns()
+    env = agent_environment(cfg, task, rollout_id, version)
+    env["PATH"] = activated_path(command, env.get("PATH", ""))
+    report = logs / f"{rollout_id}.capture.json"
+    env[CAPTURE_REPORT_ENV] = str(report)
     if worker is not None:  # forked from the warm zygote: the same environment, log and outcomes
-        env = agent_environment(cfg, task, rollout_id, version)
-        env["PATH"] = activated_path(command, env.get("PATH", ""))
         code, outcome = worker.run(env, logs / f"{rollout_id}.log", cfg.timeout_s)
         if outcome != "ok":
             worker_failure(rollout_id, task["id"], outcome, code, logs / f"{rollout_id}.log")
-        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
+        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
     log_file = open(logs / f"{rollout_id}.log", "wb")
-    env = agent_environment(cfg, task, rollout_id, version)
-    env["PATH"] = activated_path(command, env.get("PATH", ""))
     try:
         proc = subprocess.Popen(instrumented(command), env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -286,7 +295,48 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
         tail = (logs / f"{rollout_id}.log").read_text(errors="replace").splitlines()[-5:]
         log.warning("rollout %s (task %s) %s, exit code %s: %s", rollout_id, task["id"], outcome, code,
                     " | ".join(tail))
-    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
+    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
+
+
+def read_report(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def capture_summary(outcomes: list[Outcome], gateway: bool = False) -> dict:
+    """The rollouts' LLM calls by capture outcome; each reason a call was not captured is logged
+    once, with its fix, and the rollouts none of whose calls were captured are listed."""
+    total = {"calls": 0, "captured": 0, "not_captured": {}, "reasons": {}, "rollouts_without_ids": [],
+             "rollouts_without_report": 0}
+    for o in outcomes:
+        report = o.capture
+        if report is None:
+            total["rollouts_without_report"] += o.outcome == "ok"
+            continue
+        total["calls"] += report.get("calls", 0)
+        total["captured"] += report.get("captured", 0)
+        for status, n in (report.get("not_captured") or {}).items():
+            total["not_captured"][status] = total["not_captured"].get(status, 0) + n
+        for status, reason in (report.get("reasons") or {}).items():
+            total["reasons"].setdefault(status, reason)
+        uncaptured = sum(n for s, n in (report.get("not_captured") or {}).items() if s != "gateway")
+        if uncaptured and not report.get("captured"):
+            total["rollouts_without_ids"].append(o.rollout_id)
+    for status, n in sorted(total["not_captured"].items()):
+        if status == "gateway":
+            continue
+        log.warning("%d LLM call(s) not captured (%s): %s", n, status,
+                    total["reasons"].get(status, "see the rollout logs"))
+    if total["rollouts_without_ids"]:
+        log.warning("%d rollout(s) with LLM calls and no token ids, nothing to train on: %s",
+                    len(total["rollouts_without_ids"]), ", ".join(total["rollouts_without_ids"][:10]))
+    if total["rollouts_without_report"] and not gateway:
+        log.warning("%d rollout(s) left no capture report: the agent did not run lightspan's instrumentor "
+                    "(not a Python agent, or lightspan is not installed in its environment); send its calls "
+                    "through a lightspan gateway (--gateway-url)", total["rollouts_without_report"])
+    return total
 
 
 def _tracer_provider(cfg: RolloutConfig):
@@ -363,4 +413,5 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     provider.shutdown()  # flushes the outcome spans to the collector
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
     return {"rollouts": len(outcomes), **counts, "policy_version": version,
-            "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker"}
+            "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker",
+            "capture": capture_summary(outcomes, bool(cfg.gateway_url))}

@@ -253,6 +253,9 @@ def _run_agent(request: dict, spec: dict) -> int:
     instrumentor = sys.modules.get("lightspan.tracing.instrumentor")
     if instrumentor is not None:  # it watches LLM spans nest through a processor on the SDK provider
         instrumentor.attach()
+    report = sys.modules.get("lightspan.tracing.report")
+    if report is not None:  # this rollout's capture counts, written where its LIGHTSPAN_CAPTURE_REPORT says
+        report.restart()
     argv = request.get("argv") or []
     try:
         if spec.get("script"):

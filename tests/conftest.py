@@ -59,6 +59,7 @@ def vllm_server(tiny_model, tmp_path_factory):
     """
     from lightspan import inference
 
+    # 1024 (the tiny model's limit): a request with tools renders them into a prompt of ~600 byte tokens
     cfg = inference.VLLMConfig(model=str(tiny_model), port=free_port(), max_model_len=1024)
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / "vllm-test.log"

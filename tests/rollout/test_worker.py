@@ -136,6 +136,8 @@ def compare_modes(collector, vllm_server, tmp_path, agent: Path, tasks: list[dic
     assert sorted(spans["worker"]) == sorted(t["id"] for t in tasks)
     assert {k: results["worker"][k] for k in ("rollouts", "ok", "failed", "timeout", "infra")} == \
         {k: results["process"][k] for k in ("rollouts", "ok", "failed", "timeout", "infra")}
+    # each forked rollout writes its own capture report, as a process of its own does
+    assert results["worker"]["capture"] == results["process"]["capture"]
     return results, spans["worker"]
 
 
@@ -149,6 +151,8 @@ def test_a_plain_openai_agent_stores_the_same_spans_in_both_modes(collector, vll
     results, spans = compare_modes(collector, vllm_server, tmp_path, ROOT / "lightspan" / "agents" / "math_agent.py",
                                    tasks)
     assert results["worker"]["ok"] == 6
+    assert results["worker"]["capture"]["calls"] == results["worker"]["capture"]["captured"] == 6
+    assert results["worker"]["capture"]["rollouts_without_report"] == 0
     for shapes in spans.values():
         assert len(shapes) == 2                               # two rollouts per task, each its own id
         for shape in shapes:
