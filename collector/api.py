@@ -1,6 +1,6 @@
 """The API's two data endpoints, as functions the HTTP transport calls.
 
-``POST /v1/rewards`` — late rewards keyed by rollout id (DESIGN.md §3.4). Each reward becomes
+``POST /v1/rewards`` — late rewards keyed by rollout id (docs/architecture.md, "Delivery"). Each reward becomes
 one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``lightspan.reward``,
 ``lightspan.reward.name``) in an ordinary ``ExportTraceServiceRequest`` that goes through the
 collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the

@@ -3,7 +3,7 @@
 :func:`flatten` turns one ``ExportTraceServiceRequest`` into an Arrow table, one row per span;
 :mod:`lightspan.collector.otlp_logs` does the same for an ``ExportLogsServiceRequest`` (GenAI
 events sent through the logs signal), one row per log record.
-What readers filter or join on is promoted to typed columns (DESIGN.md §3.2); every other
+What readers filter or join on is promoted to typed columns (docs/architecture.md, "Storage"); every other
 attribute is kept, JSON-encoded, in the ``attributes`` / ``resource_attributes`` maps.
 
 Malformed input never raises in the middle of a batch: a span with a bad id, with token-id
