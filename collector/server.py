@@ -37,7 +37,8 @@ from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_
                                        bracket)
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import DecodeError, check
+from lightspan.collector.otlp import check
+from lightspan.collector.otlp_parse import DecodeError
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, status_for
 from lightspan.collector.routes import Route
 from lightspan.collector.writer import COMPACT_GRACE_S, LOGS_TAG, SIGNALS, Writer

@@ -32,7 +32,8 @@ from lightspan.collector import compact as compaction
 from lightspan.collector import dedup
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import DecodeError, count_spans, flatten, parse_json_request, parse_protobuf_request
+from lightspan.collector.otlp import count_spans, flatten
+from lightspan.collector.otlp_parse import DecodeError, parse_json_request, parse_protobuf_request
 from lightspan.collector.otlp_logs import count_log_records, flatten_logs, parse_json_logs_request
 from lightspan.collector.outcomes import Outcome
 from lightspan.collector.wal import WAL
