@@ -1,23 +1,27 @@
-"""``lightspan gateway``: an OpenAI-compatible proxy in front of vLLM for agents we cannot instrument.
+"""``lightspan gateway``: an OpenAI- and Anthropic-compatible proxy in front of vLLM for agents we cannot instrument.
 
-A non-Python agent, or one whose client we do not patch, points its OpenAI base URL at the gateway.
-For the generation paths of :data:`~lightspan.rollout.protocols.ENDPOINTS` (``POST
-/v1/chat/completions`` and ``POST /v1/completions``, streaming or not) the gateway
+A non-Python agent, or one whose client we do not patch, points its OpenAI (or Anthropic) base URL
+at the gateway. For the generation paths of :data:`~lightspan.rollout.protocols.ENDPOINTS` (``POST
+/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and Anthropic's ``/v1/messages``,
+streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol sends and answers) the gateway
 
-1. asks vLLM for ``return_token_ids`` and sampled-token ``logprobs`` (``capture.with_capture``);
+1. asks vLLM for the token ids and sampled-token logprobs (for Anthropic Messages: through the
+   chat completion vLLM makes of the request, as the instrumentor does);
 2. emits one GenAI span per call through the OTel SDK to the collector, with the same attributes
    as the instrumentor (``lightspan.prompt_token_ids`` … ``lightspan.capture.status``, the policy
-   version), parented on the caller's W3C ``traceparent`` header when there is one;
+   version, the messages with their tool calls), parented on the caller's W3C ``traceparent``
+   header when there is one;
 3. takes the rollout from the ``X-Lightspan-Rollout-Id`` header or the URL prefix
    ``/rollouts/{id}/v1/...``, the task from ``X-Lightspan-Task-Id`` or ``/tasks/{id}``, the split
    from ``X-Lightspan-Split`` or ``/splits/{split}`` (prefixes combine, in any order:
-   ``/rollouts/r1/tasks/t7/v1/chat/completions``); a header wins over the path;
+   ``/rollouts/r1/tasks/t7/v1/chat/completions``; a header wins over the path), and the agent's
+   name from ``x-lightspan-agent``;
 4. answers with what the caller asked for (``strip_capture_fields``, on by default): the ids and
    logprobs the gateway added are set back to ``null``, exactly as vLLM sends those keys when they
-   were not requested, so a strict client sees vLLM's own answer to its own request. Fields the
-   caller did ask for (``return_token_ids``, ``logprobs``) are kept.
+   were not requested; fields the caller did ask for are kept. An Anthropic caller gets the
+   message or event stream of vLLM's own ``/v1/messages``; errors come in the caller's protocol's shape.
 
-The other paths of the table (``GET /v1/models``, embeddings, …) pass through untouched and
+The other paths of the table (``GET /v1/models``, embeddings) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
 unauthenticated (see :mod:`lightspan.rollout.protocols`). Nothing of one caller reaches another:
 the upstream client keeps no cookies and the caller gets vLLM's body and content type only.
@@ -42,7 +46,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from http import HTTPStatus
 from http.cookiejar import CookiePolicy
 from urllib.parse import parse_qs, urlsplit
 
@@ -56,10 +59,11 @@ from lightspan import http
 from lightspan.config import ConfigError, is_loopback, option
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
-from lightspan.rollout.protocols import ENDPOINTS, OutputTexts, call_attributes, dumps, input_messages, route
+from lightspan.rollout.exchanges import Exchange, error_body, exchange
+from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
-from lightspan.tracing import semconv
-from lightspan.tracing.capture import Capture, loads, with_capture
+from lightspan.tracing import messages, semconv, urls
+from lightspan.tracing.capture import loads
 
 __all__ = ["Gateway", "GatewayConfig", "route", "serve"]
 
@@ -132,10 +136,9 @@ class _NoCookies(CookiePolicy):
         return False
 
 
-def _error(code: int, message: str, headers: dict | None = None) -> http.Response:
-    """An OpenAI-style error answer."""
-    doc = {"error": {"message": message, "type": HTTPStatus(code).phrase, "code": code}}
-    return http.Response(code, "application/json", dumps(doc).encode(), dict(headers or {}))
+def _error(api: str | None, code: int, message: str, headers: dict | None = None) -> http.Response:
+    """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
+    return http.Response(code, "application/json", error_body(api, code, message), dict(headers or {}))
 
 
 class Gateway:
@@ -188,7 +191,7 @@ class Gateway:
             return self._route(request)
         except http.HTTPError as exc:
             headers = {**exc.headers, **({"Connection": "close"} if exc.close else {})}
-            return _error(exc.status, exc.message, headers)
+            return _error(protocols.api_of(request.raw_path.decode("latin-1")), exc.status, exc.message, headers)
 
     def _route(self, request: http.Request) -> http.Response | None:
         self.guard.check(request)
@@ -212,10 +215,9 @@ class Gateway:
         if method not in endpoint.methods:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
-        if endpoint.operation is None:
+        if endpoint.api is None:
             return self._passthrough(request, upstream)
-        return self._generate(request, endpoint.operation, upstream,
-                                    call_attributes(path_attrs, request.headers))
+        return self._generate(request, endpoint.api, upstream, call_attributes(path_attrs, request.headers))
 
     def _admin(self, request: http.Request) -> http.Response:
         if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
@@ -261,6 +263,9 @@ class Gateway:
     # --- upstream ----------------------------------------------------------------------------
     def _upstream_headers(self, request: http.Request) -> dict[str, str]:
         headers = {k: request.headers[k] for k in _FORWARDED_HEADERS if request.headers.get(k)}
+        if "authorization" not in headers and request.headers.get("x-api-key"):
+            # an Anthropic client's key, as vLLM's --api-key check reads keys (a bearer token)
+            headers["authorization"] = f"Bearer {request.headers['x-api-key']}"
         headers["Content-Type"] = "application/json"
         return headers
 
@@ -275,11 +280,11 @@ class Gateway:
         try:
             resp = self._send(request.method, upstream, self._upstream_headers(request), body)
         except requests.RequestException as e:
-            return _error(502, f"upstream unreachable: {e}")
+            return _error(None, 502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------
-    def _generate(self, request: http.Request, op: str, upstream: str, ids: dict) -> http.Response | None:
+    def _generate(self, request: http.Request, api: str, upstream: str, ids: dict) -> http.Response | None:
         # the whole body first: a client that never sends it holds no slot
         asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
@@ -289,50 +294,48 @@ class Gateway:
             raise http.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
-            return self._traced(request, op, upstream, asked, ids)
+            return self._traced(request, exchange(api, asked, upstream, self.cfg.strip_capture_fields), ids)
         finally:
             self.admission.leave()
 
-    def _traced(self, request: http.Request, op: str, upstream: str, asked: dict, ids: dict):
-        model = str(asked.get("model", ""))
-        parent = _PROPAGATOR.extract(request.headers)
-        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model, **ids}
+    def _traced(self, request: http.Request, ex: Exchange, ids: dict) -> http.Response | None:
+        model = str(ex.asked.get("model", ""))
+        op = urls.OPERATION[ex.api]
+        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
+                 semconv.GEN_AI_SYSTEM: ex.system, **ids}
         if self.cfg.capture_content:
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = input_messages(asked, op)
-        span = self.tracer.start_span(f"{op} {model}".strip(), context=parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attrs)
+            try:
+                attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(ex.inputs())
+            except Exception:   # any JSON object is a request; vLLM refuses what it must
+                log.debug("gateway: could not read the request's messages", exc_info=True)
+        span = self.tracer.start_span(f"{op} {model}".strip(), context=_PROPAGATOR.extract(request.headers),
+                                      kind=trace.SpanKind.SERVER, attributes=attrs)
         headers = self._upstream_headers(request)
         _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))  # vLLM's own spans join ours
-        complete = False
+        complete, tail, answer = False, [], None
         try:
-            stream = bool(asked.get("stream"))
+            stream = bool(ex.asked.get("stream"))
             try:
-                resp = self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode(), stream)
+                resp = self._send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
-                return _error(502, f"upstream unreachable: {e}")
+                return _error(ex.api, 502, f"upstream unreachable: {e}")
             if resp.status_code != 200:
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
-                return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"),
-                                     resp.content)
-            cap, texts = Capture.for_request(asked, op), OutputTexts(op)
+                return http.Response(resp.status_code,
+                                     *ex.error(resp.headers.get("content-type", "application/json"), resp.content))
             if stream:
-                complete = self._relay(request, resp, cap, texts)
-                answer = None
+                if self._relay(request, resp, ex):
+                    tail = ex.end()
             else:
                 try:
-                    payload = loads(resp.content)
-                except (ValueError, requests.RequestException) as e:
+                    answer = http.Response(200, "application/json", dumps(ex.answer(loads(resp.content))).encode())
+                except (ValueError, TypeError, AttributeError, requests.RequestException) as e:
                     self._upstream_failed(span, f"upstream answer unreadable: {e}")
-                    return _error(502, f"upstream answer unreadable: {e}")
-                cap.add(payload, hide=self.cfg.strip_capture_fields)  # the fields only the gateway asked for: null
-                texts.add(payload)
-                complete = True
-                answer = http.Response(200, "application/json", dumps(payload).encode())
+                    return _error(ex.api, 502, f"upstream answer unreadable: {e}")
+            complete = ex.finished
             if complete:
-                span.set_attributes({**cap.attributes(self.version.get()), **cap.genai_attributes()})
-                if self.cfg.capture_content:
-                    span.set_attribute(semconv.GEN_AI_OUTPUT_MESSAGES, texts.messages())
+                span.set_attributes(ex.attributes(self.version.get(), self.cfg.capture_content))
             else:
                 span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
         finally:
@@ -341,7 +344,9 @@ class Gateway:
             span.end()
         if answer is None:
             if complete:
-                request.write(b"", end=True)   # the stream's end, after the span
+                for frame in tail:             # the stream's end ([DONE], message_stop), after the span
+                    request.write(frame)
+                request.write(b"", end=True)
             else:
                 request.abandon()              # unterminated: the caller sees the break
         return answer
@@ -353,29 +358,15 @@ class Gateway:
         span.set_status(Status(StatusCode.ERROR, message))
         self.admission.count("upstream_errors")
 
-    def _relay(self, request: http.Request, resp, cap: Capture, texts: OutputTexts) -> bool:
-        """Relay vLLM's server-sent events as they arrive; True when ``[DONE]`` was seen (the
-        stream's end is left to the caller, after the span has ended)."""
-        strip = self.cfg.strip_capture_fields
+    def _relay(self, request: http.Request, resp, ex: Exchange) -> bool:
+        """Relay vLLM's server-sent events as they arrive, as the caller's protocol has them; True
+        when vLLM's stream ended cleanly (its last frames are left to the caller, after the span)."""
         request.start(200, {"Content-Type": resp.headers.get("content-type", "text/event-stream"),
                             "Cache-Control": "no-cache"})
-        done = False
         try:
             for line in _lines(resp.raw):
-                if not line.startswith(b"data:"):
-                    if line:  # event:, id:, comments: as they came
-                        request.write(line + b"\n")
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                elif data.startswith(b"{"):
-                    chunk = loads(data)
-                    cap.add(chunk, hide=strip)
-                    texts.add(chunk)
-                    if strip:
-                        data = dumps(chunk).encode()
-                request.write(b"data: " + data + b"\n\n")
+                for frame in ex.frames(line):
+                    request.write(frame)
         except http.ClientGone:
             log.info("the caller left mid-stream")
             return False
@@ -384,7 +375,7 @@ class Gateway:
             return False
         finally:
             resp.close()
-        return done
+        return True
 
 
 def _lines(raw):
