@@ -24,7 +24,8 @@ streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol send
 The other paths of the table (``GET /v1/models``, embeddings) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
 unauthenticated (see :mod:`lightspan.rollout.protocols`). Nothing of one caller reaches another:
-the upstream client keeps no cookies and the caller gets vLLM's body and content type only.
+the upstream client keeps no cookies (:mod:`lightspan.rollout.upstream`) and the caller gets
+vLLM's body and content type only.
 Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 and
 ``Retry-After``, then waits until the in-flight ones have finished (200 ``drained``, or 504 after
 ``?timeout_s=`` / ``drain_timeout_s``, still paused); ``POST /admin/resume`` (optional JSON body
@@ -46,7 +47,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from http.cookiejar import CookiePolicy
 from urllib.parse import parse_qs, urlsplit
 
 import requests
@@ -61,6 +61,7 @@ from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.exchanges import Exchange, error_body, exchange
 from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
+from lightspan.rollout.upstream import Upstream, lines
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import messages, semconv, urls
 from lightspan.tracing.capture import loads
@@ -119,23 +120,6 @@ class GatewayConfig:
                               "gateway.allow_no_admin_token = true to run without one on purpose")
 
 
-class _NoCookies(CookiePolicy):
-    """The upstream session keeps no cookie: one caller's Set-Cookie never reaches another's call."""
-    netscape, rfc2965, hide_cookie2 = True, False, False
-
-    def set_ok(self, cookie, request) -> bool:
-        return False
-
-    def return_ok(self, cookie, request) -> bool:
-        return False
-
-    def domain_return_ok(self, domain, request) -> bool:
-        return False
-
-    def path_return_ok(self, path, request) -> bool:
-        return False
-
-
 def _error(api: str | None, code: int, message: str, headers: dict | None = None) -> http.Response:
     """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
     return http.Response(code, "application/json", error_body(api, code, message), dict(headers or {}))
@@ -152,11 +136,7 @@ class Gateway:
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
-        self.session = requests.Session()
-        self.session.cookies.set_policy(_NoCookies())
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=cfg.max_in_flight)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
         self._server: http.Server | None = None
 
     @property
@@ -269,16 +249,11 @@ class Gateway:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False):
-        """One request to vLLM: no redirects followed, no cookies kept (see :class:`_NoCookies`)."""
-        return self.session.request(method, self.upstream + upstream, data=body, headers=headers, stream=stream,
-                                    allow_redirects=False, timeout=(5, self.cfg.upstream_timeout_s))
-
     def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
         """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …)."""
         body = request.body(self.cfg.max_body_bytes)
         try:
-            resp = self._send(request.method, upstream, self._upstream_headers(request), body)
+            resp = self.client.send(request.method, upstream, self._upstream_headers(request), body)
         except requests.RequestException as e:
             return _error(None, 502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
@@ -316,7 +291,7 @@ class Gateway:
         try:
             stream = bool(ex.asked.get("stream"))
             try:
-                resp = self._send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream)
+                resp = self.client.send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
                 return _error(ex.api, 502, f"upstream unreachable: {e}")
@@ -364,7 +339,7 @@ class Gateway:
         request.start(200, {"Content-Type": resp.headers.get("content-type", "text/event-stream"),
                             "Cache-Control": "no-cache"})
         try:
-            for line in _lines(resp.raw):
+            for line in lines(resp.raw):
                 for frame in ex.frames(line):
                     request.write(frame)
         except http.ClientGone:
@@ -376,18 +351,6 @@ class Gateway:
         finally:
             resp.close()
         return True
-
-
-def _lines(raw):
-    """Lines of a streamed body as soon as they arrive, chunked or not (``iter_lines`` would wait
-    for a full read of a body that is not chunk-encoded)."""
-    pending = b""
-    while data := raw.read1(65536, decode_content=True):
-        *lines, pending = (pending + data).split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r")
-    if pending:
-        yield pending.rstrip(b"\r")
 
 
 def _tracer_provider(cfg: GatewayConfig):

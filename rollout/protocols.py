@@ -2,11 +2,13 @@
 
 :data:`ENDPOINTS` is the table from an upstream path (vLLM's, under ``/v1``) to what the gateway
 does with it: capture it as a generation call of an API (chat completions, completions, the
-Responses API, Anthropic Messages: :mod:`lightspan.rollout.exchanges`), or pass it through untouched
-and untraced. A path that is not in the table is answered 404 and never reaches vLLM: vLLM's unauthenticated routes (``/pause``, ``/collective_rpc``, ``/sleep``,
+Responses API, Anthropic Messages: :mod:`lightspan.rollout.exchanges`), or pass it through
+untouched and untraced. A path that is not in the table is answered 404 and never reaches vLLM:
+vLLM's unauthenticated routes (``/pause``, ``/collective_rpc``, ``/sleep``,
 ``/v1/load_lora_adapter``, …) are not in it, and a path with dot segments (``/v1/../sleep``, which
 an HTTP client would normalise into ``/sleep``) is refused before the table is read. To capture a
-further protocol, add its path here with its API, and its :class:`~lightspan.rollout.exchanges.Exchange`.
+further protocol, add its path here with its API, and its
+:class:`~lightspan.rollout.exchanges.Exchange`.
 
 :func:`route` reads the rollout, task and split from a URL prefix (``/rollouts/{id}/tasks/{id}/
 splits/{split}/v1/...``, in any order); :func:`call_attributes` lets headers win over it, and adds
