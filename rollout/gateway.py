@@ -299,7 +299,9 @@ class Gateway:
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
                 return http.Response(resp.status_code,
                                      *ex.error(resp.headers.get("content-type", "application/json"), resp.content))
-            if stream:
+            # a stream asked for and a JSON body answered (an upstream that does not stream this
+            # request): the body is the answer, not an event stream that never ends
+            if stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
                 if self._relay(request, resp, ex):
                     tail = ex.end()
             else:
