@@ -200,12 +200,7 @@ class MessagesExchange(Exchange):
 
     def __init__(self, asked: dict, upstream: str, strip: bool):
         super().__init__(asked, upstream, strip)
-        try:
-            self.cap = AnthropicCapture(asked)
-        except Exception:   # a body the conversion trips over: vLLM answers it (and will refuse it)
-            log.debug("gateway: unconvertible Anthropic request", exc_info=True)
-            self.cap = AnthropicCapture({})
-            self.cap.unsupported = "a body lightspan cannot read as an Anthropic request"
+        self.cap = AnthropicCapture(asked)   # a body it cannot convert goes as it is (vLLM judges it)
         if self.cap.converted:
             query = upstream.partition("?")[2]
             self.upstream = CHAT_PATH + (f"?{query}" if query else "")
@@ -237,9 +232,13 @@ class MessagesExchange(Exchange):
         chunk = loads(data)
         if not isinstance(chunk, dict):
             return []
-        if self.output is not None:
-            self.output.add(chunk)
-        return [_event(name, event) for name, event in self.cap.events(chunk)]
+        try:
+            if self.output is not None:
+                self.output.add(chunk)
+            events = self.cap.events(chunk)
+        except (TypeError, AttributeError, KeyError) as e:   # no Anthropic event can be made of it
+            raise ValueError(f"an unreadable chat completion chunk: {e!r}") from e
+        return [_event(name, event) for name, event in events]
 
     def end(self) -> list[bytes]:
         if not self.cap.converted:

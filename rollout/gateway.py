@@ -21,7 +21,7 @@ streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol send
    were not requested; fields the caller did ask for are kept. An Anthropic caller gets the
    message or event stream of vLLM's own ``/v1/messages``; errors come in the caller's protocol's shape.
 
-The other paths of the table (``GET /v1/models``, embeddings) pass through untouched and
+The other paths of the table (``GET /v1/models``, embeddings, Anthropic's token count) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
 unauthenticated (see :mod:`lightspan.rollout.protocols`). Nothing of one caller reaches another:
 the upstream client keeps no cookies (:mod:`lightspan.rollout.upstream`) and the caller gets
@@ -255,7 +255,7 @@ class Gateway:
         try:
             resp = self.client.send(request.method, upstream, self._upstream_headers(request), body)
         except requests.RequestException as e:
-            return _error(None, 502, f"upstream unreachable: {e}")
+            return _error(protocols.api_of(upstream), 502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------

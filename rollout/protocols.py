@@ -48,6 +48,7 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/messages": Endpoint(("POST",), urls.MESSAGES),
     "/v1/models": Endpoint(("GET",)),
     "/v1/embeddings": Endpoint(("POST",)),
+    "/v1/messages/count_tokens": Endpoint(("POST",)),   # Anthropic clients size their prompts with it
 }
 
 

@@ -30,7 +30,7 @@ ESCAPES = ["/v1/../sleep", "/v1/../../collective_rpc", "/v1/..", "/v1/%2e%2e/pau
            # the Responses and Anthropic routes: their sub-paths are not served, nor escapes through them
            "/v1/messages/../../sleep", "/rollouts/r1/v1/responses/../../collective_rpc",
            "/v1/responses/%2e%2e/%2e%2e/pause", "/v1/messages/count_tokens/../../../reset_prefix_cache",
-           "/v1/responses/resp_1/cancel", "/v1/messages/batches"]
+           "/v1/responses/resp_1/cancel", "/v1/messages/batches", "/v1/messages/count_tokens/x"]
 
 
 @pytest.mark.parametrize("path", ESCAPES)
@@ -254,3 +254,18 @@ def test_an_anthropic_call_reaches_only_chat_completions_with_its_key_as_a_beare
     assert (method, path, headers["authorization"]) == ("POST", "/v1/chat/completions", "Bearer k-1")
     (span,) = gw.exporter.get_finished_spans()
     assert span.attributes["lightspan.capture.status"] == "ok"
+
+
+@pytest.mark.parametrize("body", [
+    {**ANTHROPIC, "system": ["not a block"]},
+    {**ANTHROPIC, "tool_choice": "auto"},
+    {**ANTHROPIC, "tools": [5]},
+    {**ANTHROPIC, "messages": "hi"},
+])
+def test_a_malformed_anthropic_body_goes_to_vllm_as_it_is(gateway_factory, upstream, body):
+    """What the conversion cannot read, vLLM's own /v1/messages judges (it refuses it with its 400)."""
+    gw = gateway_factory(upstream)
+    answer = requests.post(f"{gw.url}/v1/messages", json=body, timeout=10)
+    assert answer.status_code == 200 and upstream.paths() == ["/v1/messages"]
+    (span,) = gw.exporter.get_finished_spans()
+    assert span.attributes["lightspan.capture.status"] == "unsupported_request"

@@ -270,6 +270,11 @@ def test_the_anthropic_client_gets_vllms_own_messages_answer(stack, vllm_server)
     assert text == message.content[0].text and final.stop_reason == message.stop_reason
     assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in message.content]
     assert [r["capture_status"] for r in stored(data, ports, "sdk-anthropic", 2)] == ["ok", "ok"]
+    # count_tokens passes through (untraced): the prompt's size as vLLM tokenises it
+    counted = client.messages.count_tokens(model="policy", messages=body["messages"])
+    own = requests.post(f"{vllm_server.url}/v1/messages/count_tokens", timeout=60,
+                        json={"model": "policy", "messages": body["messages"]}).json()
+    assert counted.input_tokens == own["input_tokens"] > 0
     with pytest.raises(anthropic.NotFoundError) as err:
         client.messages.create(**{**body, "model": "no-such-model"})
     assert err.value.body["type"] == "error" and "no-such-model" in err.value.body["error"]["message"]
