@@ -24,7 +24,10 @@ ALLOWED = {
     "tracing": set(),
     "store": {"lightspan.config"},     # export's config; layout and policy stay standard library (below)
     "collector": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
+    # the gateway captures with the instrumentor's own pure captures and message conversions
     "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.capture",
+                "lightspan.tracing.capture_responses", "lightspan.tracing.capture_anthropic",
+                "lightspan.tracing.anthropic_convert", "lightspan.tracing.messages", "lightspan.tracing.urls",
                 "lightspan.tracing.sse", *COMMON},
     "lightningrl": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
     "trainer": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
