@@ -95,6 +95,9 @@ def queue(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
     remaining = con.execute(f"SELECT count(*) FROM _ui_queue WHERE {rest}", cursor).fetchone()[0]
     nxt = records(con.execute(f"SELECT * FROM _ui_queue WHERE {rest} ORDER BY {_ORDER} DESC, rollout_key LIMIT 1",
                               cursor))
+    if nxt:   # the cursor past it, as text: nanoseconds do not survive a JavaScript number
+        start = nxt[0]["start_time_unix_nano"]
+        nxt[0]["cursor"] = {"after_time": str(-1 if start is None else start), "after_key": nxt[0]["rollout_key"]}
     return {"total": total, "remaining": remaining, "next": nxt[0] if nxt else None}
 
 
