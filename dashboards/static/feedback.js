@@ -1,4 +1,4 @@
-// Human feedback: a score (thumbs or a number), a comment and optionally the better answer, for a
+// Human feedback: a score (good / bad or a number), a comment and optionally the better answer, for a
 // rollout or one of its LLM calls, posted to the collector's POST /v1/rewards with source
 // "human" (the one home of the reward contract); and the annotation queue of rollouts with no
 // reward yet, newest first.
@@ -23,7 +23,7 @@ export function feedbackForm({rollout, span = null, onStored = null}) {
   const submit = el("button", {type: "submit", class: "fb-submit", text: "Save score"});
   const note = el("span", {class: "fb-note muted"});
   const form = el("form", {class: "feedback card", "data-scope": span ? "call" : "rollout"},
-    el("div", {class: "fb-score"}, thumb(1, "👍 1", "thumb-up"), thumb(0, "👎 0", "thumb-down"),
+    el("div", {class: "fb-score"}, thumb(1, "Good · 1", "thumb-up"), thumb(0, "Bad · 0", "thumb-down"),
       el("label", {}, "score ", value)),
     el("label", {}, "comment", comment), el("label", {}, "correction", correction),
     el("div", {}, submit, " ", note));
@@ -32,7 +32,7 @@ export function feedbackForm({rollout, span = null, onStored = null}) {
     const text = value.value.trim(), score = Number(text);
     if (!text || !Number.isFinite(score)) {
       note.className = "fb-note error";
-      note.textContent = "give a score: 👍, 👎 or a number";
+      note.textContent = "give a score: Good, Bad or a number";
       return;
     }
     const reward = {rollout_id: rollout.rollout_key, value: score, name: NAME, source: "human"};
@@ -83,5 +83,5 @@ export async function queuePage(params) {
     el("span", {}, "Rollout ", el("a", {href: `#/rollout/${encodeURIComponent(doc.rollout_key)}`, class: "mono",
       id: "queue-key", text: doc.rollout_key}), ` · task ${doc.task_id || "—"} · started ${time(doc.start_time_unix_nano)}`),
     el("button", {type: "button", class: "plain", id: "queue-skip", text: "Skip →", onclick: next}));
-  show(header, counts, rolloutView(doc, [bar, feedbackForm({rollout: doc, onStored: next})]));
+  show(header, counts, bar, rolloutView(doc, feedbackForm({rollout: doc, onStored: next})));
 }

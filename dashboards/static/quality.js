@@ -3,7 +3,7 @@
 // failures, unrewarded ones not at all), and how well the judge's scores agree with people's.
 
 import {lineChart} from "./charts.js";
-import {api, el, fmt, show, stat} from "./lib.js";
+import {api, el, fixed, fmt, show, stat} from "./lib.js";
 
 export async function qualityPage(params) {
   const query = new URLSearchParams();
@@ -38,20 +38,20 @@ export async function qualityPage(params) {
       el("thead", {}, el("tr", {}, ["policy version", "split", "k", "tasks", "pass@k", "pass^k"].map((h) => el("th", {text: h})))),
       el("tbody", {}, doc.by_version.map((r) => el("tr", {class: "pass-row"},
         [r.model_version, r.split, r.k, r.tasks].map((v) => el("td", {text: fmt(v)})),
-        [r.pass_at_k, r.pass_hat_k].map((v) => el("td", {class: "num", text: fmt(v, 3)})))))),
+        [r.pass_at_k, r.pass_hat_k].map((v) => el("td", {class: "num", text: fixed(v, 3)})))))),
     el("h2", {text: `Per task, k = ${doc.k}`}),
     doc.tasks.length ? el("table", {id: "pass-by-task"},
       el("thead", {}, el("tr", {}, ["task", "policy version", "split", "rollouts (n)", "succeeded (c)", `pass@${doc.k}`, `pass^${doc.k}`]
         .map((h) => el("th", {text: h})))),
       el("tbody", {}, doc.tasks.map((r) => el("tr", {class: "task-row"},
         [r.task_id, r.model_version, r.split, r.n, r.c].map((v) => el("td", {text: fmt(v)})),
-        [r.pass_at_k, r.pass_hat_k].map((v) => el("td", {class: "num", text: fmt(v, 3)}))))))
+        [r.pass_at_k, r.pass_hat_k].map((v) => el("td", {class: "num", text: fixed(v, 3)}))))))
       : el("p", {class: "muted", text: `No task has ${doc.k} rollouts with a known outcome yet.`}),
     el("h2", {text: "Judge and human agreement"}),
     el("div", {class: "summary"},
       stat("rollouts scored by both", fmt(a.rollouts), "agreement-count"),
-      stat("mean |judge − human|", fmt(a.mean_abs_difference, 3), "agreement-mae"),
-      stat("correlation", fmt(a.correlation, 3), "agreement-corr"),
+      stat("mean |judge − human|", fixed(a.mean_abs_difference, 3), "agreement-mae"),
+      stat("correlation", fixed(a.correlation, 3), "agreement-corr"),
       stat(`agree on success (≥ ${fmt(doc.threshold)})`, a.success_agreement === null ? "—" : `${(100 * a.success_agreement).toFixed(0)}%`,
         "agreement-success")),
     doc.pairs.length ? el("table", {id: "agreement"},

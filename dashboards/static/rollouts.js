@@ -1,6 +1,6 @@
 // The rollouts page: the filters, the matching rollouts newest first, each with its status.
 
-import {badge, captureBadge, duration, el, fmt, show, splitBadge, stat, statusBadge, time} from "./lib.js";
+import {api, badge, captureBadge, duration, el, fmt, show, splitBadge, stat, statusBadge, time} from "./lib.js";
 
 const STATUSES = ["rewarded", "unrewarded", "failed", "timeout"];
 const FILTERS = ["task", "split", "agent", "status", "min_reward", "max_reward", "version", "since", "until", "limit", "offset"];

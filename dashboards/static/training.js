@@ -31,6 +31,8 @@ export async function trainingPage(params) {
     el("div", {class: "charts"},
       lineChart("Reward per policy version (rollouts' final reward)", [
         {name: "train", points: versions("train")}, {name: "val", points: versions("val")}], {xLabel: "policy version", id: "chart-reward-version"}),
+      lineChart("Reward drift: each source's mean rollout reward per policy version", bySource,
+        {xLabel: "policy version", id: "chart-reward-source"}),
       lineChart("Train reward (batch mean)", [{name: "reward", points: by("reward_mean")}], {id: "chart-reward"}),
       lineChart("Loss", [{name: "loss", points: by("loss")}], {id: "chart-loss"}),
       lineChart("KL to the reference", [{name: "kl", points: by("kl")}], {id: "chart-kl"}),
@@ -38,8 +40,6 @@ export async function trainingPage(params) {
       lineChart("Entropy (nats/token)", [{name: "entropy", points: by("entropy")},
         ...(floor.some((p) => p[1] !== null) ? [{name: "entropy_floor", points: floor, color: "#c8362f", dashed: true}] : [])],
         {id: "chart-entropy"}),
-      lineChart("Reward drift: each source's mean rollout reward per policy version", bySource,
-        {xLabel: "policy version", id: "chart-reward-source"}),
       lineChart("IS ratio (mean)", [{name: "is", points: by("is_ratio_mean")}], {id: "chart-is"}),
       lineChart("Tokens / s", [{name: "tokens/s", points: by("tokens_per_second")}], {id: "chart-tps"}),
       lineChart("Staleness (versions)", [{name: "staleness", points: by("staleness_mean")}], {id: "chart-staleness"}),

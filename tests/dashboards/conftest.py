@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import requests
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -161,5 +162,44 @@ def ui_store(tmp_path_factory) -> UIStore:
         rows = [{k: s.get(k) for k in names} for s in steps]
         store.write_table(data_dir, "train_steps", pa.Table.from_pylist(rows, schema=store.TRAIN_STEP_SCHEMA))
         yield UIStore(collector, data_dir, f"http://127.0.0.1:{collector.api_port}", calls)
+    finally:
+        collector.stop()
+
+
+REASON = "the stream ended before its usage chunk"
+QUALITY_ROLLOUTS = [Rollout("f-ok1", "task-f", "train", "planner", 1.0, 1, "ok"),
+                    Rollout("f-ok2", "task-f", "train", "planner", 0.0, 1, "ok"),
+                    Rollout("f-fail", "task-f", "train", "planner", None, 1, "failed"),
+                    Rollout("f-new1", "task-f", "train", "planner", None, 2, "ok"),
+                    Rollout("f-new2", "task-g", "val", "planner", None, 2, None, ("no_token_ids", REASON))]
+# the quality page's store: judge and person agree on f-ok1 and not on f-ok2; the person's score is
+# each one's final reward
+QUALITY_POSTED = [{"rollout_id": "f-ok1", "value": 1.0, "name": "judge", "source": "judge", "judge_model": "m"},
+                  {"rollout_id": "f-ok2", "value": 1.0, "name": "judge", "source": "judge", "judge_model": "m"},
+                  {"rollout_id": "f-ok1", "value": 1.0, "name": "human", "source": "human", "comment": "right"},
+                  {"rollout_id": "f-ok2", "value": 0.0, "name": "human", "source": "human", "comment": "wrong sum",
+           "correction": "2 + 2 = 4"}]
+QUALITY_STEPS = [(1, 2.0, 0.5), (2, 0.25, 0.5), (3, 0.125, None)]     # (step, entropy, entropy_floor)
+
+
+@pytest.fixture(scope="module")
+def quality_store(tmp_path_factory) -> str:
+    """The API base URL of a collector holding QUALITY_ROLLOUTS, the judge and human scores of
+    QUALITY_POSTED and the train steps of QUALITY_STEPS."""
+    data = tmp_path_factory.mktemp("quality-data")
+    collector = Collector(routes=web.routes(), config=config(data)).start()
+    try:
+        send(collector, QUALITY_ROLLOUTS)
+        for reward in QUALITY_POSTED:
+            answer = requests.post(f"http://127.0.0.1:{collector.api_port}/v1/rewards", json=reward, timeout=30)
+            assert answer.status_code == 200, answer.text
+        collector.flush()
+        t0 = time.time_ns()
+        rows = [{"run_id": "run-1", "step": step, "policy_version": step, "time_unix_nano": t0 + step,
+                 "num_transitions": 2, "num_tokens": 6, "entropy": entropy, "entropy_floor": floor}
+                for step, entropy, floor in QUALITY_STEPS]
+        rows = [{k: r.get(k) for k in store.TRAIN_STEP_SCHEMA.names} for r in rows]
+        store.write_table(data, "train_steps", pa.Table.from_pylist(rows, schema=store.TRAIN_STEP_SCHEMA))
+        yield f"http://127.0.0.1:{collector.api_port}"
     finally:
         collector.stop()

@@ -19,7 +19,7 @@ from lightspan.lightningrl.config import TransitionsConfig
 from tests.collector.helpers import config, query
 from tests.conftest import ARTIFACTS
 from tests.dashboards.browser import Browser, chromium_path
-from tests.dashboards.conftest import Rollout, send
+from tests.dashboards.conftest import REASON, Rollout, send
 
 TOKEN = "s3cret-token"
 # q0 has the agent's reward and qf failed: neither waits for a person; q2 is the newest
@@ -146,3 +146,40 @@ def test_feedback_given_in_the_ui_is_stored_as_human_rewards_and_trained_on(coll
     rows, _ = build(data, credit="discounted", gamma=1.0)
     credit = {(r["rollout_id"], r["call_index"]): r["credit"] for r in rows}
     assert (credit[("q2", 0)], credit[("q2", 1)]) == (0.25, 0.0)
+
+
+def test_the_pages_show_status_capture_quality_agreement_and_the_entropy_floor(quality_store, browser):
+    base = f"{quality_store}/ui/"
+    browser.errors.clear()
+    browser.goto(f"{base}#/rollouts")
+    ready(browser, "document.querySelectorAll('tr.rollout-row').length === 5", "the rollouts")
+    status = dict(browser.evaluate("[...document.querySelectorAll('tr.rollout-row')].map("
+                                   "r => [r.dataset.key, r.querySelector('td.status').textContent])"))
+    assert status["f-fail"] == "failed (exit 3) " and status["f-ok1"].startswith("rewarded")
+    assert status["f-new2"].startswith("unrewarded") and "1 uncaptured: no_token_ids" in status["f-new2"]
+    browser.goto(f"{base}#/rollout/f-new2")
+    ready(browser, "document.getElementById('capture-reason')", "the capture reason")
+    assert REASON in browser.evaluate("document.getElementById('capture-reason').textContent")
+    browser.goto(f"{base}#/rollout/f-fail")
+    ready(browser, "document.getElementById('outcome-note')", "the failure")
+    assert "failed (exit code 3)" in browser.evaluate("document.getElementById('outcome-note').textContent")
+
+    browser.goto(f"{base}#/quality?k=2")
+    ready(browser, "document.getElementById('agreement-count')", "the quality page")
+    assert browser.evaluate("[...document.querySelectorAll('#pass-by-task td')].map(t => t.textContent)") == \
+        ["task-f", "1", "train", "3", "1", "0.667", "0.000"]
+    assert browser.evaluate("document.getElementById('chart-pass-k').dataset.points") == "2"   # pass@2, pass^2 at v1
+    assert browser.evaluate("document.getElementById('agreement-count').textContent") == "2"
+    assert browser.evaluate("document.getElementById('agreement-mae').textContent") == "0.500"
+    assert browser.evaluate("document.getElementById('agreement-success').textContent") == "50%"
+    assert browser.evaluate("document.getElementById('chart-judge-drift').dataset.points") == "1"
+    browser.screenshot(SHOTS / "quality.png")
+
+    browser.goto(f"{base}#/training")
+    ready(browser, "document.getElementById('entropy-warning')", "the entropy warning")
+    warning = browser.evaluate("document.getElementById('entropy-warning').textContent")
+    assert warning.startswith("Entropy below the floor at 1 step(s), last at step 2: 0.250 < 0.500 nats/token")
+    assert browser.evaluate("document.getElementById('chart-entropy').dataset.points") == str(3 + 2)  # + the floor
+    assert browser.evaluate("document.getElementById('chart-reward-source').dataset.points") == "3"
+    browser.screenshot(SHOTS / "training-floor.png")
+    assert browser.errors == []
