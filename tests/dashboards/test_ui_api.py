@@ -254,8 +254,11 @@ def test_static_pages_are_served_with_a_content_security_policy(ui_store):
     page = requests.get(ui_store.url("/ui/"), timeout=10)
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["Content-Security-Policy"]
-    assert '<script src="app.js"' in page.text
-    for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+    assert '<script type="module" src="app.js"' in page.text
+    # a browser runs an ES module only when it is served as JavaScript
+    modules = sorted(p.name for p in web.STATIC_DIR.glob("*.js"))
+    assert "app.js" in modules and len(modules) > 1
+    for name, kind in [*((m, "javascript") for m in modules), ("style.css", "text/css")]:
         answer = requests.get(ui_store.url(f"/ui/{name}"), timeout=10)
         assert answer.status_code == 200 and kind in answer.headers["Content-Type"]
     for path in ("/ui/missing.js", "/ui/..%2F__init__.py", "/ui/%2e%2e/ui.py", "/ui/../web.py"):
