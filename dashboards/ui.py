@@ -14,7 +14,7 @@ Endpoints (see :mod:`lightspan.dashboards.web`):
 - ``/api/ui/rollouts/<key>``: :func:`rollout`, one rollout's spans as a tree, its LLM calls with
   messages, tokens and logprobs, the reward matched to each call and its transitions;
 - ``/api/ui/training``, ``/api/ui/queue``, ``/api/ui/quality``: :mod:`lightspan.dashboards.quality`;
-- ``/api/ui/health``: :func:`health`, the collector's own metrics.
+- ``/api/ui/health``: :mod:`lightspan.dashboards.health`, the collector's own metrics.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import duckdb
 import numpy as np
 
 from lightspan.lightningrl.credit import rewards_per_call
+from lightspan.store.views import NOT_CAPTURED_REASON
 from lightspan.config import parse_duration
 
 MAX_LIMIT = 1000
@@ -260,7 +261,9 @@ LIMIT $limit
 """
 # the rollout's LLM calls in the builder's action order: (start, end, span id)
 _CALLS_SQL = f"""
-SELECT trace_id, span_id, end_time_unix_nano FROM llm_calls WHERE {_IN_TRACES} AND rollout_key = $key
+SELECT trace_id, span_id, end_time_unix_nano, capture_status,
+       json_extract_string(attributes['lightspan.capture.reason'], '$') AS capture_reason
+FROM llm_calls WHERE {_IN_TRACES} AND rollout_key = $key
 ORDER BY start_time_unix_nano, end_time_unix_nano, span_id
 """
 _REWARDS_SQL = f"""
@@ -268,17 +271,21 @@ SELECT trace_id, span_id, reward_name, reward, time_unix_nano, source, call_span
        judge_model FROM rewards
 WHERE {_IN_TRACES} AND rollout_key = $key AND isfinite(reward) ORDER BY time_unix_nano, span_id
 """
+# the rollouts view's columns for this rollout's traces only (the view itself would scan every span)
 _SUMMARY_SQL = f"""
-SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL),
-       any_value(split) FILTER (WHERE split IS NOT NULL),
-       arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL),
-       max(model_version), bool_or(status_code = 'ERROR')
+SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
+       any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
+       coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                    AND attributes['lightspan.reward.call_span_id'] IS NULL),
+                arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
+       max(model_version) AS model_version, bool_or(status_code = 'ERROR') AS has_error,
+       any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
+           FILTER (WHERE name = 'lightspan.runner') AS outcome,
+       any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
+           FILTER (WHERE name = 'lightspan.runner') AS exit_code,
+       CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+            WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
 FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
-"""
-# why it trains or not, as the rollouts list says it
-_STATUS_SQL = """
-SELECT status, outcome, exit_code, num_uncaptured_calls, capture_problem, capture_reason
-FROM rollouts WHERE rollout_key = $key
 """
 # the newest build of each of the rollout's transitions
 _TRANSITIONS_SQL = """
@@ -300,6 +307,23 @@ def _messages(text):
         return json.loads(text)
     except ValueError:
         return text
+
+
+def _capture(calls: list[tuple]) -> dict:
+    """The rollouts view's capture columns from the rollout's calls (trace, span, end, capture status,
+    reason): the calls not captured (status not ok, or none), the most common problem and its reason."""
+    problems: dict[str, list] = {}
+    for *_, status, reason in calls:
+        if status != "ok":
+            entry = problems.setdefault(status or "not_captured", [0, None])
+            entry[0] += 1
+            entry[1] = entry[1] or reason
+    if not problems:
+        return {"num_uncaptured_calls": 0, "capture_problem": None, "capture_reason": None}
+    problem, (_, reason) = max(problems.items(), key=lambda item: (item[1][0], item[0]))
+    reason = reason or (NOT_CAPTURED_REASON if problem == "not_captured" else None)
+    return {"num_uncaptured_calls": sum(n for n, _ in problems.values()), "capture_problem": problem,
+            "capture_reason": reason}
 
 
 def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = None) -> dict | None:
@@ -348,44 +372,9 @@ def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = N
         span["completion_tokens"] = decode(ids_) if decode is not None and ids_ else None
     first = min((s["start_time_unix_nano"] for s in spans if s["start_time_unix_nano"] is not None), default=None)
     last = max((s["end_time_unix_nano"] for s in spans if s["end_time_unix_nano"] is not None), default=None)
-    summary = con.execute(_SUMMARY_SQL, at).fetchone()    # as the rollouts view computes them
-    status = records(con.execute(_STATUS_SQL, {"key": key}))
-    return {**(status[0] if status else {}), "rollout_key": key, "task_id": summary[0], "split": summary[1], "final_reward": clean(summary[2]),
-            "model_version": summary[3], "has_error": summary[4], "start_time_unix_nano": first,
+    summary = records(con.execute(_SUMMARY_SQL, at))[0]
+    return {"rollout_key": key, **summary, **_capture(calls), "start_time_unix_nano": first,
             "end_time_unix_nano": last, "num_llm_calls": len(calls), "spans": spans, "rewards": rewards,
             "transitions": transitions, "truncated": truncated,
             "tokens_decoded": decode is not None and all(s.get("completion_tokens") is not None
                                                          for s in spans if s.get("completion_token_ids"))}
-
-
-# --- collector health ----------------------------------------------------------------------------
-
-def rate(samples: Sequence[tuple[float, float]], window_s: float) -> float | None:
-    """Per-second increase of a counter over the samples (time, value) of the last ``window_s``
-    seconds before the newest; None with fewer than two. A counter reset restarts from zero."""
-    if len(samples) < 2:
-        return None
-    newest_t = samples[-1][0]
-    recent = [s for s in samples if s[0] >= newest_t - window_s]
-    if len(recent) < 2:
-        recent = list(samples[-2:])
-    increase = sum(b[1] - a[1] if b[1] >= a[1] else b[1] for a, b in zip(recent, recent[1:]))
-    elapsed = recent[-1][0] - recent[0][0]
-    return increase / elapsed if elapsed > 0 else None
-
-
-def health(numbers: Mapping, *, rates: Mapping[str, float | None]) -> dict:
-    """The collector's health page from its numbers (``Collector.health()``): counters, refusals by
-    reason, queue and WAL bytes, mean flush and fsync times, and ``rates``."""
-    refused = dict(numbers["requests_refused_total"])
-    counters = {k: v for k, v in numbers.items() if k.endswith("_total") and k != "requests_refused_total"}
-
-    def mean(name: str):
-        count = numbers.get(f"{name}_count")
-        return numbers[f"{name}_sum"] / count if count else None
-
-    return {"running": numbers["running"], "counters": counters, "refused": refused,
-            "refused_total": sum(refused.values()), "queue_bytes": numbers["queue_bytes"],
-            "wal_bytes": numbers["wal_bytes"], "flush_seconds_mean": mean("flush_seconds"),
-            "fsync_seconds_mean": mean("fsync_seconds"), "rates": dict(rates), "limits": dict(numbers["limits"]),
-            "time_unix_nano": time.time_ns()}

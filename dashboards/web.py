@@ -28,7 +28,7 @@ from lightspan import store
 from lightspan.collector import api as collector_api
 from lightspan.collector.routes import CollectorState, Response, Route
 from lightspan.config import ConfigError, option, resolve
-from lightspan.dashboards import quality, ui
+from lightspan.dashboards import health, quality, ui
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _rates(collector: CollectorState, doc: dict) -> dict:
         history = _samples.setdefault(collector, collections.deque(maxlen=_SAMPLES_KEPT))
         history.append((now, values))
         points = list(history)
-    return {rate: ui.rate([(t, v[rate]) for t, v in points], RATE_WINDOW_S) for rate in _RATED}
+    return {rate: health.rate([(t, v[rate]) for t, v in points], RATE_WINDOW_S) for rate in _RATED}
 
 
 # --- JSON endpoints ------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def api(path: str, query: str, collector: CollectorState) -> Response:
     try:
         if route == "health":
             ui.check_known(params, ())
-            doc = ui.health(collector.health(), rates={})
+            doc = health.health(collector.health(), rates={})
             doc["rates"] = _rates(collector, doc)
             return json_response(200, doc)
         if route == "rollouts":

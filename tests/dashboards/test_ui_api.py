@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightspan.collector.server import Collector
-from lightspan.dashboards import ui, web
+from lightspan.dashboards import health, ui, web
 from tests.collector.helpers import config, grpc_exporter, make_spans
 from tests.dashboards.prometheus import parse_prometheus
 from tests.dashboards.conftest import ROLLOUTS, TRAIN_STEPS, TOOL_CALL
@@ -223,10 +223,10 @@ def test_health_ingest_rate_follows_accepted_spans(tmp_path):
 
 
 def test_rate_of_a_counter():
-    assert ui.rate([(0.0, 5.0)], 60) is None
-    assert ui.rate([(0.0, 0.0), (2.0, 10.0), (4.0, 30.0)], 60) == 7.5
-    assert ui.rate([(0.0, 0.0), (100.0, 50.0), (102.0, 60.0)], 60) == 5.0     # only the window before the newest
-    assert ui.rate([(0.0, 100.0), (10.0, 20.0)], 60) == 2.0                   # a reset counts from zero
+    assert health.rate([(0.0, 5.0)], 60) is None
+    assert health.rate([(0.0, 0.0), (2.0, 10.0), (4.0, 30.0)], 60) == 7.5
+    assert health.rate([(0.0, 0.0), (100.0, 50.0), (102.0, 60.0)], 60) == 5.0     # only the window before the newest
+    assert health.rate([(0.0, 100.0), (10.0, 20.0)], 60) == 2.0                   # a reset counts from zero
 
 
 def test_parse_prometheus_reads_labels_and_skips_comments():
