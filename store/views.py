@@ -132,6 +132,15 @@ _DERIVED = {
                arg_max(reward, time_unix_nano) FILTER (WHERE source = 'human') AS human
         FROM rewards WHERE call_span_id IS NULL GROUP BY rollout_key
         HAVING judge IS NOT NULL AND human IS NOT NULL""",
+    # reward drift: the mean rollout reward each source gave per policy version (each rollout's
+    # latest score from each source); a judge that drifts from people as the policy learns shows here
+    "reward_drift": """
+        WITH latest AS (
+            SELECT rollout_key, source, arg_max(reward, time_unix_nano) AS reward
+            FROM rewards WHERE call_span_id IS NULL GROUP BY ALL)
+        SELECT r.model_version, coalesce(r.split, 'train') AS split, l.source, count(*) AS rollouts,
+               avg(l.reward) AS reward_mean
+        FROM latest l JOIN rollouts r USING (rollout_key) GROUP BY ALL""",
 }
 
 

@@ -98,6 +98,11 @@ class TrainerConfig:
     torch_threads: int = option(0, "torch.set_num_threads; 0 keeps torch's default.")
     keep_checkpoints: int = option(2, "Keep the newest this many checkpoints; older ones are deleted.")
     # monitoring
+    entropy_floor: float = option(0.0, "Warn when the policy's mean per-token entropy over a step's completion "
+                                  "tokens (nats) falls below this: exploration collapsing (a log warning, the "
+                                  "lightspan_trainer_entropy_below_floor_total counter, a warning on the UI's "
+                                  "training page). Training goes on. 0 = no floor; e.g. 0.3 for a chat model "
+                                  "sampled at temperature 1.")
     metrics_host: str = option("127.0.0.1", "Bind address of the Prometheus /metrics endpoint.")
     metrics_port: int = option(9464, "Port of the Prometheus /metrics endpoint; 0 disables it.")
 
@@ -120,7 +125,7 @@ class TrainerConfig:
                      "pass e.g. --every 30m (units ms, s, m, h, d)")
         if not self.learning_rate > 0:
             fail("learning_rate", f"must be > 0, got {self.learning_rate}", "pass e.g. --learning-rate 1e-5")
-        for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta"):
+        for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta", "entropy_floor"):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass a non-negative {name}")
         if self.epsilon >= 1:

@@ -62,7 +62,7 @@ from lightspan.trainer.batches import Batch, Cursor, micro_batches, next_batch
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
-from lightspan.trainer.metrics import TrainerMetrics
+from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
@@ -381,7 +381,9 @@ class Trainer:
         if metrics is None:
             self.metrics.set_version(self.version)
             return {}
+        floor = self.config.entropy_floor or None
         row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
+               "entropy_floor": floor, "entropy_below_floor": int(entropy_warning(metrics.get("entropy"), floor) is not None),
                "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names
         store.write_table(self.data_dir, "train_steps",
@@ -423,4 +425,6 @@ class Trainer:
                  self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
                  row["clip_ratio"], row["is_ratio_mean"], row["entropy"], row["skipped_stale"],
                  row["zero_advantage"], row["skipped_malformed"], row["step_seconds"], row["sync_seconds"])
+        if (warning := entropy_warning(row["entropy"], row["entropy_floor"])) is not None:
+            log.warning("version %d: %s", self.version, warning)
         return row
