@@ -38,21 +38,25 @@ _VIEWS = {
     # traceparent) the innermost with token ids is kept, as the transition builder keeps it.
     "llm_calls": f"""
         WITH c AS (
-            SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
+            SELECT *, coalesce(rollout_id, trace_id) AS rollout_key,
+                   -- per trace, over its LLM spans: their parents, the parents of those with token
+                   -- ids, and those with token ids (a window on the trace id: a filter on the trace
+                   -- ids of a rollout still reaches the Parquet scan, as no join would let it)
+                   list(parent_span_id) OVER t AS _parents,
+                   list(parent_span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_parents,
+                   list(span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_spans
             FROM spans
             WHERE (prompt_token_ids IS NOT NULL OR operation_name IN {_LLM_OPERATIONS})
               -- marked by the instrumentor: another span carries this call
               AND capture_status IS DISTINCT FROM 'duplicate'
-        ), kids AS (
-            SELECT trace_id, parent_span_id AS span_id, bool_or(prompt_token_ids IS NOT NULL) AS with_tokens
-            FROM c WHERE parent_span_id IS NOT NULL GROUP BY ALL
+            WINDOW t AS (PARTITION BY trace_id)
         )
-        SELECT c.* FROM c
-        LEFT JOIN kids k ON k.trace_id = c.trace_id AND k.span_id = c.span_id
-        LEFT JOIN (SELECT trace_id, span_id FROM c WHERE prompt_token_ids IS NOT NULL) p
-               ON p.trace_id = c.trace_id AND p.span_id = c.parent_span_id
-        WHERE (k.span_id IS NULL OR NOT (k.with_tokens OR c.prompt_token_ids IS NULL))
-          AND NOT (c.prompt_token_ids IS NULL AND p.span_id IS NOT NULL)""",
+        SELECT * EXCLUDE (_parents, _token_parents, _token_spans) FROM c
+        -- an enclosing span stays only when it has token ids and none of the spans inside it has
+        WHERE (NOT list_contains(_parents, span_id)
+               OR NOT (list_contains(_token_parents, span_id) OR prompt_token_ids IS NULL))
+          -- a span without token ids inside one with them describes the same call
+          AND NOT (prompt_token_ids IS NULL AND coalesce(list_contains(_token_spans, parent_span_id), false))""",
     # who gave each reward and why (lightspan.reward.*): a reward span without a source is the agent's
     "rewards": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
