@@ -6,7 +6,8 @@ call's span, the web UI decodes tokens with its tokenizer, ``lightspan status`` 
 Standard library only: the rollout runner reads it inside an agent's environment.
 
 The file is ``{"version": int, "path": str, "time_unix_nano": int}``, replaced atomically
-(a temporary file, then a rename), so a reader sees the old or the new one, never a mix.
+(a temporary file, then a rename; in a bucket, one PUT), so a reader sees the old or the new one,
+never a mix. In a bucket (``s3://…``) reading it needs pyarrow (lightspan.store.objects).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan.store.layout import data_dir as _data_dir
+from lightspan.store.layout import is_remote
 
 FILE = "policy.json"
 
@@ -29,8 +31,33 @@ class Policy:
     time_unix_nano: int   # when it was published
 
 
-def path(data_dir: str | os.PathLike | None = None) -> Path:
-    return _data_dir(data_dir) / FILE
+def path(data_dir: str | os.PathLike | None = None) -> Path | str:
+    """Where policy.json is: a path, or an ``s3://`` URL for a data location in a bucket."""
+    root = _data_dir(data_dir)
+    return f"{root}/{FILE}" if is_remote(root) else root / FILE
+
+
+def read_text(location: Path | str) -> str:
+    """The text of a small file or object (``FileNotFoundError`` when there is none)."""
+    if is_remote(location):
+        from lightspan.store import objects
+
+        return objects.read_bytes(location).decode()
+    return Path(location).read_text()
+
+
+def write_text(location: Path | str, text: str) -> None:
+    """Replace a small file or object atomically: a temporary file then a rename; one PUT in a bucket."""
+    if is_remote(location):
+        from lightspan.store import objects
+
+        objects.put_bytes(location, text.encode())
+        return
+    location = Path(location)
+    location.parent.mkdir(parents=True, exist_ok=True)
+    tmp = location.parent / f".{location.name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, location)
 
 
 def read(data_dir: str | os.PathLike | None = None) -> Policy | None:
@@ -38,7 +65,7 @@ def read(data_dir: str | os.PathLike | None = None) -> Policy | None:
     the trainer writes it atomically, so that is a file someone else wrote; it is logged by the
     caller that cares)."""
     try:
-        doc = json.loads(path(data_dir).read_text())
+        doc = json.loads(read_text(path(data_dir)))
         return Policy(int(doc["version"]), str(doc.get("path") or ""), int(doc.get("time_unix_nano") or 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -52,11 +79,7 @@ def served_version(data_dir: str | os.PathLike | None = None) -> int:
 
 def write(data_dir: str | os.PathLike, version: int, checkpoint: str | os.PathLike) -> Policy:
     """Publish ``version`` served from ``checkpoint``, atomically (temporary file + rename)."""
-    root = _data_dir(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
     policy = Policy(int(version), str(Path(checkpoint).resolve()), time.time_ns())
-    tmp = root / f".{FILE}.tmp"
-    tmp.write_text(json.dumps({"version": policy.version, "path": policy.path,
-                               "time_unix_nano": policy.time_unix_nano}) + "\n")
-    os.replace(tmp, root / FILE)
+    write_text(path(data_dir), json.dumps({"version": policy.version, "path": policy.path,
+                                           "time_unix_nano": policy.time_unix_nano}) + "\n")
     return policy
