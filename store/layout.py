@@ -38,6 +38,9 @@ def data_dir(path: str | os.PathLike | None = None) -> Path | str:
     location = path or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
     if is_remote(location):
         return location.rstrip("/")
+    if str(location).startswith("s3:/"):
+        # an s3:// URL that went through Path() ("s3:/bucket"): never a local directory instead
+        raise ValueError(f"{str(location)!r} is a bucket URL that lost a '/': pass it as the string s3://BUCKET/PREFIX")
     return Path(location)
 
 
