@@ -57,6 +57,7 @@ from lightspan.config import ConfigError, is_loopback, option
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.protocols import ENDPOINTS, OutputTexts, call_attributes, dumps, input_messages, route
+from lightspan.rollout.replicas import Upstreams
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import Capture, loads, with_capture
@@ -73,6 +74,11 @@ _ADMIN_BODY_BYTES = 64 << 10
 @dataclass(frozen=True)
 class GatewayConfig:
     upstream: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server (without /v1).")
+    upstreams: tuple[str, ...] = option(
+        (), "Several vLLM replicas instead of upstream, comma-separated base URLs (dns+http://NAME:PORT: every "
+            "address of NAME, a Kubernetes headless Service). A rollout's calls all go to one replica (its prefix "
+            "cache), rollouts spread over them; replicas the trainer's last sync took out of rotation "
+            "(DATA_DIR/replicas.json) get none.")
     host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
@@ -103,6 +109,10 @@ class GatewayConfig:
         if not urlsplit(self.upstream).scheme.startswith("http"):
             raise ConfigError("gateway", "upstream", f"{self.upstream!r} is not an http(s) URL",
                               "pass --upstream http://HOST:PORT (the vLLM server)")
+        for target in self.upstreams:
+            if not urlsplit(target.removeprefix("dns+")).scheme.startswith("http"):
+                raise ConfigError("gateway", "upstreams", f"{target!r} is not an http(s) URL",
+                                  "pass --upstreams http://HOST:PORT,... or dns+http://NAME:PORT")
         for name in ("max_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError("gateway", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
@@ -148,6 +158,7 @@ class Gateway:
         self.tracer = trace.get_tracer("lightspan.gateway", tracer_provider=tracer_provider)
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
+        self.replicas = Upstreams(cfg.upstreams, cfg.data_dir) if cfg.upstreams else None
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.session = requests.Session()
         self.session.cookies.set_policy(_NoCookies())
@@ -264,9 +275,16 @@ class Gateway:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False):
-        """One request to vLLM: no redirects followed, no cookies kept (see :class:`_NoCookies`)."""
-        return self.session.request(method, self.upstream + upstream, data=body, headers=headers, stream=stream,
+    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False, key: str = ""):
+        """One request to vLLM (with replicas, the one of rollout ``key``: rollout/replicas.py): no
+        redirects followed, no cookies kept (see :class:`_NoCookies`)."""
+        base = self.upstream
+        if self.replicas is not None:
+            base = self.replicas.pick(key)
+            if base is None:
+                raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
+            base = base.rstrip("/").removesuffix("/v1")
+        return self.session.request(method, base + upstream, data=body, headers=headers, stream=stream,
                                     allow_redirects=False, timeout=(5, self.cfg.upstream_timeout_s))
 
     def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
@@ -307,7 +325,9 @@ class Gateway:
         try:
             stream = bool(asked.get("stream"))
             try:
-                resp = self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode(), stream)
+                # one rollout, one replica: its id, else its trace (a rollout without an id is a trace)
+                key = str(ids.get(semconv.ROLLOUT_ID) or format(span.get_span_context().trace_id, "032x"))
+                resp = self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode(), stream, key)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
                 return _error(502, f"upstream unreachable: {e}")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib
 
 from lightspan.store import policy
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir, is_remote
+from lightspan.store.layout import (DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir, is_remote, join, read_text,
+                                    write_text)
 
 # name -> module: pyarrow and duckdb load when one of these is first used, not at import
 _LAZY = {
@@ -30,7 +31,7 @@ _LAZY = {
     "quote": "views", "quote_list": "views",
 }
 
-__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "policy", *_LAZY]
+__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "join", "read_text", "write_text", "policy", *_LAZY]
 
 
 def __getattr__(name: str):

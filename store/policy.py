@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan.store.layout import data_dir as _data_dir
-from lightspan.store.layout import is_remote
+from lightspan.store.layout import is_remote, read_text, write_text
 
 FILE = "policy.json"
 
@@ -35,29 +35,6 @@ def path(data_dir: str | os.PathLike | None = None) -> Path | str:
     """Where policy.json is: a path, or an ``s3://`` URL for a data location in a bucket."""
     root = _data_dir(data_dir)
     return f"{root}/{FILE}" if is_remote(root) else root / FILE
-
-
-def read_text(location: Path | str) -> str:
-    """The text of a small file or object (``FileNotFoundError`` when there is none)."""
-    if is_remote(location):
-        from lightspan.store import objects
-
-        return objects.read_bytes(location).decode()
-    return Path(location).read_text()
-
-
-def write_text(location: Path | str, text: str) -> None:
-    """Replace a small file or object atomically: a temporary file then a rename; one PUT in a bucket."""
-    if is_remote(location):
-        from lightspan.store import objects
-
-        objects.put_bytes(location, text.encode())
-        return
-    location = Path(location)
-    location.parent.mkdir(parents=True, exist_ok=True)
-    tmp = location.parent / f".{location.name}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, location)
 
 
 def read(data_dir: str | os.PathLike | None = None) -> Policy | None:
