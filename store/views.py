@@ -208,7 +208,7 @@ def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except (duckdb.IOException, duckdb.InvalidInputError, FileNotFoundError) as exc:
+        except (duckdb.IOException, duckdb.InvalidInputException, FileNotFoundError) as exc:
             if attempt == attempts or not any(m in str(exc) for m in _VANISHED):
                 raise
             log.info("a Parquet file vanished under a read (compaction); reading again (%d/%d)", attempt, attempts)
