@@ -22,6 +22,7 @@ from lightspan.store import replicas as rotation
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.sync import ReloadSync, verify
+from tests.collector.helpers import wait_for
 from tests.conftest import ARTIFACTS, free_port
 
 torch.set_num_threads(1)
@@ -92,8 +93,11 @@ def test_two_replicas_are_synced_verified_and_a_rollout_stays_on_one(vllm_server
                                              json={"model": vllm_server.model_name, "prompt": [60, 61, 62 + turn],
                                                    "max_tokens": 2, "temperature": 0})
                     assert response.status_code == 200, response.text
-                    grew = [i for i, u in enumerate(replicas) if served_requests(u) > counts[i]]
-                    assert len(grew) == 1
+                    # vLLM counts a request once its output is processed: wait for the count to move
+                    after = wait_for(lambda counts=counts: (now := [served_requests(u) for u in replicas])
+                                     and sum(now) > sum(counts) and now, timeout=30, what="vLLM's request count")
+                    grew = [i for i, u in enumerate(replicas) if after[i] > counts[i]]
+                    assert len(grew) == 1 and sum(after) == sum(counts) + 1
                     where.setdefault(f"rollout-{rollout}", set()).add(grew[0])
             assert all(len(r) == 1 for r in where.values())                  # one rollout, one replica
             assert {i for r in where.values() for i in r} == {0, 1}          # rollouts on both
