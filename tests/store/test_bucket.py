@@ -157,3 +157,38 @@ class socket_closed:
 
 if os.environ.get("LIGHTSPAN_SKIP_S3"):
     pytestmark = pytest.mark.skip("LIGHTSPAN_SKIP_S3 is set")
+
+
+def test_lightspan_sql_and_status_read_the_bucket(bucket, tmp_path):
+    import subprocess
+    import sys
+
+    from lightspan.dashboards.status import data_summary
+
+    remote = f"{bucket}/lightspan"
+    fill(remote, prefix="collector=a/")
+    out = subprocess.run([sys.executable, "-m", "lightspan.cli", "sql", "--data-dir", remote,
+                          "SELECT count(*) AS n FROM spans"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "100" in out.stdout
+    summary = data_summary(store.data_dir(remote))
+    assert (summary["data_dir"], summary["spans"], summary["transitions"]) == (remote, 100, 5)
+    assert summary["disk_bytes"]["spans"] > 0 and summary["disk_bytes"]["total"] >= summary["disk_bytes"]["spans"]
+    assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_a_read_is_repeated_when_an_object_of_its_listing_vanished(bucket):
+    remote = f"{bucket}/p"
+    for first in (0, 10):
+        store.write_table(remote, "spans", spans(first, 10), partition="collector=a/date=2025-11-30")
+    calls = []
+
+    def read():
+        con = store.connect(remote)
+        calls.append(1)
+        if len(calls) == 1:           # compaction's sweep removes an object the listing named
+            objects.delete([store.table_files(remote, "spans")[0]])
+        return con.execute("SELECT count(*) FROM spans").fetchall()[0][0]
+
+    assert store.retry_vanished(read) == 10 and len(calls) == 2
