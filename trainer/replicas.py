@@ -13,8 +13,9 @@ stands for ``http://<each address>:8000``, resolved again at every sync. One pus
    own, so its replicas start serving N at the same moment);
 3. :meth:`ReplicaSync.verify` compares each replica's prompt logprobs of the fixed sequence
    with the trainer's (lightspan.trainer.sync.verify);
-4. the replicas whose push and check passed are in rotation; the others are out until a later
-   push reaches them (every push goes to every replica, in rotation or not). The rotation is
+4. the replicas whose push and check passed are in rotation (without a check, as with
+   ``verify_sync`` off, those whose push passed); the others are out until a later push reaches
+   them (every push goes to every replica, in rotation or not). The rotation is
    written to ``replicas.json`` beside policy.json (lightspan.store.replicas), where the gateway
    reads it (lightspan.rollout.replicas). When no replica passes, the sync fails (``SyncError``) as one
    replica's failure did before.
@@ -91,8 +92,10 @@ class ReplicaSync:
             else:
                 self.status[url]["error"] = f"{type(error).__name__}: {error}"[:500]
                 log.error("replica %s did not take version %d: %s", url, version, error)
+        for s in self.status.values():
+            s["in_rotation"] = s["version"] == version     # until verify() checks them (if it runs)
+        self.write_rotation()
         if not any(s["version"] == version for s in self.status.values()):
-            self.write_rotation()
             raise SyncError(", ".join(urls), None, "no replica took version "
                             f"{version}: " + "; ".join(f"{u}: {s['error']}" for u, s in self.status.items()))
         rpc = [t.get("sync_rpc_seconds", 0.0) for t in timings.values()]
@@ -105,6 +108,8 @@ class ReplicaSync:
         def check(url):
             self.status[url]["max_abs_logprob_diff"] = verify(url, model_name, token_ids, expected)
         took = [u for u, s in self.status.items() if s["version"] == self.version]
+        for url in took:
+            self.status[url]["in_rotation"] = False
         for url, error in self._each(check, took).items():
             diff = self.status[url].get("max_abs_logprob_diff")
             if error is not None:
