@@ -26,6 +26,9 @@ Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 a
 ``?timeout_s=`` / ``drain_timeout_s``, still paused); ``POST /admin/resume`` (optional JSON body
 ``{"model_version": N}``) lets them in again. ``GET /admin/status`` and ``GET /health`` report.
 The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json``.
+With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
+rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
+out of rotation (:mod:`lightspan.rollout.replicas`).
 
 Bounds (:mod:`lightspan.http`): connections, read time, request bytes; a call's body is read in
 full before it takes one of ``max_in_flight`` slots (past them, 429), so a client that never sends
