@@ -409,7 +409,7 @@ def test_agents_export_to_the_collector_and_call_the_served_policy(variant):
     _, train = variant.job("train")
     # the agent asks for the name the trainer keeps pointing at the newest policy
     assert env_of(variant.services[agent_name])["AGENT_MODEL"] == train.config.served_model_name
-    assert 'os.environ.get("AGENT_MODEL"' in (ROOT / "examples" / "math_agent.py").read_text()
+    assert 'os.environ.get("AGENT_MODEL"' in (ROOT / "lightspan" / "agents" / "math_agent.py").read_text()
     # and with the OpenTelemetry Collector in front, to the Collector's OTLP/HTTP receiver
     via = Stack(environ={"AGENT_OTLP_ENDPOINT": "http://otelcol:4318"})
     host, port = host_port(via.job("rollout")[1].config.otlp_endpoint)
