@@ -2,8 +2,9 @@
 
 Everything goes through pyarrow's own S3 filesystem (``pyarrow.fs.S3FileSystem``, the AWS SDK
 for C++ inside the pyarrow wheel): listing, reading, writing and deleting objects, and DuckDB's
-reads of them. DuckDB's ``httpfs`` extension is not used: no build of it installs for DuckDB 2.x
-from PyPI, and DuckDB's extension repository is often unreachable from a cluster. The views scan
+reads of them. DuckDB's ``httpfs`` extension is not used: for DuckDB 2.0.1 ``INSTALL httpfs``
+downloads it from DuckDB's extension repository (out of reach offline and from many clusters), and
+the builds on PyPI stop at DuckDB 1.5.5, which 2.0.1 refuses to load (docs/architecture.md). The views scan
 ``pyarrow.dataset`` objects over the files (DuckDB pushes projections and filters into them;
 measured in bench/README.md against reading the same objects through fsspec), and connections
 that read files by name (``read_parquet('s3://…')``: the transition builder, compaction) get the
