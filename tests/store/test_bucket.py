@@ -192,3 +192,46 @@ def test_a_read_is_repeated_when_an_object_of_its_listing_vanished(bucket):
         return con.execute("SELECT count(*) FROM spans").fetchall()[0][0]
 
     assert store.retry_vanished(read) == 10 and len(calls) == 2
+
+
+def test_credentials_and_endpoint_come_from_the_aws_config_files(tmp_path):
+    """No AWS_* variable but the files' paths and the profile: the SDK inside pyarrow signs with the
+    credentials file's key (a server of its own that checks signatures; a wrong secret is refused)."""
+    import subprocess
+    import sys
+
+    import boto3
+    import requests
+
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path / "s3.log").start()
+    try:
+        setup = dict(endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="setup",
+                     aws_secret_access_key="setup")
+        iam = boto3.client("iam", **setup)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="s3", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        boto3.client("s3", **setup).create_bucket(Bucket="creds")
+        # from here on moto checks every request's signature against its IAM users' keys
+        assert requests.post(f"{server.endpoint}/moto-api/reset-auth", data=b"0", timeout=10).status_code == 200
+        code = ("from lightspan import store; from tests.store.test_bucket import spans; "
+                "store.write_table('s3://creds/p', 'spans', spans(0, 8), partition='collector=a/date=2025-11-30'); "
+                "print(store.connect('s3://creds/p').execute('SELECT count(*) FROM spans').fetchall()[0][0])")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"), AWS_CONFIG_FILE=str(tmp_path / "config"),
+                   AWS_PROFILE="lab", AWS_EC2_METADATA_DISABLED="true")
+        (tmp_path / "config").write_text(f"[profile lab]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
+        results = {}
+        for secret in (key["SecretAccessKey"], "not-the-secret"):
+            (tmp_path / "credentials").write_text(
+                f"[lab]\naws_access_key_id = {key['AccessKeyId']}\naws_secret_access_key = {secret}\n")
+            results[secret] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                             timeout=120, cwd=Path(__file__).parents[2])
+        good, bad = results.values()
+        assert good.returncode == 0 and good.stdout.split() == ["8"], good.stderr[-2000:]
+        assert bad.returncode != 0 and "SIGNATURE_DOES_NOT_MATCH" in bad.stderr and "s3://creds/p" in bad.stderr
+    finally:
+        server.stop()
