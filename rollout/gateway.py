@@ -60,7 +60,7 @@ from lightspan.config import ConfigError, is_loopback, option
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.protocols import ENDPOINTS, OutputTexts, call_attributes, dumps, input_messages, route
-from lightspan.rollout.replicas import Upstreams
+from lightspan.rollout.replicas import Upstreams, untraced_key
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import Capture, loads, with_capture
@@ -226,10 +226,10 @@ class Gateway:
         if method not in endpoint.methods:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
+        ids = call_attributes(path_attrs, request.headers)
         if endpoint.operation is None:
-            return self._passthrough(request, upstream)
-        return self._generate(request, endpoint.operation, upstream,
-                                    call_attributes(path_attrs, request.headers))
+            return self._passthrough(request, upstream, ids)
+        return self._generate(request, endpoint.operation, upstream, ids)
 
     def _admin(self, request: http.Request) -> http.Response:
         if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
@@ -290,11 +290,13 @@ class Gateway:
         return self.session.request(method, base + upstream, data=body, headers=headers, stream=stream,
                                     allow_redirects=False, timeout=(5, self.cfg.upstream_timeout_s))
 
-    def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
-        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …)."""
+    def _passthrough(self, request: http.Request, upstream: str, ids: dict) -> http.Response:
+        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …);
+        with replicas, a rollout's calls still go to its replica."""
         body = request.body(self.cfg.max_body_bytes)
+        key = untraced_key(ids.get(semconv.ROLLOUT_ID), request.headers.get("traceparent"))
         try:
-            resp = self._send(request.method, upstream, self._upstream_headers(request), body)
+            resp = self._send(request.method, upstream, self._upstream_headers(request), body, key=key)
         except requests.RequestException as e:
             return _error(502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)

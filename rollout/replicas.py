@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 
@@ -23,6 +24,19 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0
 """How often the targets are resolved and replicas.json read again (at most: on the next call)."""
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def untraced_key(rollout_id: str | None, traceparent: str | None) -> str:
+    """The key of a call the gateway passes through untraced (the Responses API, Anthropic Messages):
+    its rollout id, else the trace id of its W3C ``traceparent`` (the key a traced call of the same
+    trace gets, its span being a child in that trace), else "" (one replica for all such calls)."""
+    if rollout_id:
+        return rollout_id
+    m = _TRACEPARENT.fullmatch((traceparent or "").strip().lower())
+    return m.group(1) if m else ""
 
 
 def rendezvous(key: str, replicas: list[str]) -> str:

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from lightspan.config import ConfigError
 from lightspan.rollout.gateway import Gateway, GatewayConfig
-from lightspan.rollout.replicas import Upstreams, rendezvous
+from lightspan.rollout.replicas import Upstreams, rendezvous, untraced_key
 from lightspan.store import replicas as rotation
 
 REPLICAS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
@@ -110,6 +110,39 @@ def test_the_gateway_keeps_each_rollout_on_one_replica_and_skips_those_out_of_ro
     finally:
         gw.stop()
         for upstream in (a, b, c):
+            upstream.server.shutdown()
+
+
+def test_an_untraced_call_is_keyed_by_its_rollout_else_its_trace():
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert untraced_key("r1", f"00-{trace}-00f067aa0ba902b7-01") == "r1"
+    assert untraced_key(None, f"00-{trace.upper()}-00f067aa0ba902b7-01") == trace
+    assert untraced_key("", "00-not-a-trace-01") == "" and untraced_key(None, None) == ""
+
+
+def test_passed_through_generation_calls_stay_on_their_rollouts_replica_too(tmp_path):
+    a, b = _Echo(), _Echo()
+    gw = Gateway(GatewayConfig(upstreams=(a.url, b.url), port=0, data_dir=str(tmp_path)), TracerProvider())
+    url = gw.start()
+    try:
+        served = {}
+        for i in range(12):
+            # a Responses call by rollout id, an Anthropic Messages call by its caller's trace only
+            calls = [("/v1/responses", {"X-Lightspan-Rollout-Id": f"r{i}"}),
+                     ("/v1/messages", {"traceparent": f"00-{i + 1:032x}-00f067aa0ba902b7-01"})]
+            for path, headers in calls:
+                for _ in range(2):
+                    before = len(a.calls)
+                    response = requests.post(f"{url}{path}", json={"model": "policy", "input": "hi"},
+                                             headers=headers, timeout=30)
+                    assert response.status_code == 200, response.text
+                    served.setdefault((path, i), set()).add("a" if len(a.calls) > before else "b")
+        assert all(len(where) == 1 for where in served.values())       # one rollout (trace), one replica
+        for path in ("/v1/responses", "/v1/messages"):                 # and spread over both
+            assert {w for (p, _), where in served.items() if p == path for w in where} == {"a", "b"}
+    finally:
+        gw.stop()
+        for upstream in (a, b):
             upstream.server.shutdown()
 
 
