@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from lightspan import http
+from lightspan import http, store
 from lightspan.collector import httpd, jsonlog, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
@@ -57,7 +57,7 @@ class Collector:
         (the web UI, :mod:`lightspan.collector.routes`)."""
         self.config = config
         self.routes = tuple(routes)
-        self.data_dir = Path(config.data_dir)
+        self.data_dir = store.data_dir(config.data_dir)     # a Path, or an s3:// URL
         self.metrics = Metrics()
         self.rewards = RewardBook(self.data_dir, config.dedup_max_keys)
         self._state_lock = threading.Lock()

@@ -31,6 +31,9 @@ Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 a
 ``?timeout_s=`` / ``drain_timeout_s``, still paused); ``POST /admin/resume`` (optional JSON body
 ``{"model_version": N}``) lets them in again. ``GET /admin/status`` and ``GET /health`` report.
 The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json``.
+With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
+rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
+out of rotation (:mod:`lightspan.rollout.replicas`).
 
 Bounds (:mod:`lightspan.http`): connections, read time, request bytes; a call's body is read in
 full before it takes one of ``max_in_flight`` slots (past them, 429), so a client that never sends
@@ -61,6 +64,7 @@ from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.exchanges import Exchange, error_body, exchange
 from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
+from lightspan.rollout.replicas import Upstreams, untraced_key
 from lightspan.rollout.upstream import Upstream, lines
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import messages, semconv, urls
@@ -78,6 +82,11 @@ _ADMIN_BODY_BYTES = 64 << 10
 @dataclass(frozen=True)
 class GatewayConfig:
     upstream: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server (without /v1).")
+    upstreams: tuple[str, ...] = option(
+        (), "Several vLLM replicas instead of upstream, comma-separated base URLs (dns+http://NAME:PORT: every "
+            "address of NAME, a Kubernetes headless Service). A rollout's calls all go to one replica (its prefix "
+            "cache), rollouts spread over them; replicas the trainer's last sync took out of rotation "
+            "(DATA_DIR/replicas.json) get none.")
     host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
@@ -108,6 +117,10 @@ class GatewayConfig:
         if not urlsplit(self.upstream).scheme.startswith("http"):
             raise ConfigError("gateway", "upstream", f"{self.upstream!r} is not an http(s) URL",
                               "pass --upstream http://HOST:PORT (the vLLM server)")
+        for target in self.upstreams:
+            if not urlsplit(target.removeprefix("dns+")).scheme.startswith("http"):
+                raise ConfigError("gateway", "upstreams", f"{target!r} is not an http(s) URL",
+                                  "pass --upstreams http://HOST:PORT,... or dns+http://NAME:PORT")
         for name in ("max_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError("gateway", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
@@ -135,6 +148,7 @@ class Gateway:
         self.tracer = trace.get_tracer("lightspan.gateway", tracer_provider=tracer_provider)
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
+        self.replicas = Upstreams(cfg.upstreams, cfg.data_dir) if cfg.upstreams else None
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
         self._server: http.Server | None = None
@@ -195,9 +209,10 @@ class Gateway:
         if method not in endpoint.methods:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
+        ids = call_attributes(path_attrs, request.headers)
         if endpoint.api is None:
-            return self._passthrough(request, upstream)
-        return self._generate(request, endpoint.api, upstream, call_attributes(path_attrs, request.headers))
+            return self._passthrough(request, upstream, ids)
+        return self._generate(request, endpoint.api, upstream, ids)
 
     def _admin(self, request: http.Request) -> http.Response:
         if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
@@ -249,11 +264,23 @@ class Gateway:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
-        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …)."""
+    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False, key: str = ""):
+        """One request to vLLM (with replicas, the one of rollout ``key``: rollout/replicas.py)."""
+        base = None
+        if self.replicas is not None:
+            base = self.replicas.pick(key)
+            if base is None:
+                raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
+            base = base.rstrip("/").removesuffix("/v1")
+        return self.client.send(method, upstream, headers, body, stream, base=base)
+
+    def _passthrough(self, request: http.Request, upstream: str, ids: dict) -> http.Response:
+        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …);
+        with replicas, a rollout's calls still go to its replica."""
         body = request.body(self.cfg.max_body_bytes)
+        key = untraced_key(ids.get(semconv.ROLLOUT_ID), request.headers.get("traceparent"))
         try:
-            resp = self.client.send(request.method, upstream, self._upstream_headers(request), body)
+            resp = self._send(request.method, upstream, self._upstream_headers(request), body, key=key)
         except requests.RequestException as e:
             return _error(protocols.api_of(upstream), 502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
@@ -291,7 +318,9 @@ class Gateway:
         try:
             stream = bool(ex.asked.get("stream"))
             try:
-                resp = self.client.send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream)
+                # one rollout, one replica: its id, else its trace (a rollout without an id is a trace)
+                key = str(ids.get(semconv.ROLLOUT_ID) or format(span.get_span_context().trace_id, "032x"))
+                resp = self._send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream, key)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
                 return _error(ex.api, 502, f"upstream unreachable: {e}")

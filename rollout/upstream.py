@@ -40,9 +40,10 @@ class Upstream:
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
-    def send(self, method: str, path: str, headers: dict, body: bytes, stream: bool = False):
-        """One request; connecting may take 5 s, each read ``timeout_s``."""
-        return self.session.request(method, self.base + path, data=body, headers=headers, stream=stream,
+    def send(self, method: str, path: str, headers: dict, body: bytes, stream: bool = False, base: str | None = None):
+        """One request (to ``base`` instead of this upstream's: a replica); connecting may take 5 s,
+        each read ``timeout_s``."""
+        return self.session.request(method, (base or self.base) + path, data=body, headers=headers, stream=stream,
                                     allow_redirects=False, timeout=(5, self.timeout_s))
 
 

@@ -6,7 +6,8 @@ call's span, the web UI decodes tokens with its tokenizer, ``lightspan status`` 
 Standard library only: the rollout runner reads it inside an agent's environment.
 
 The file is ``{"version": int, "path": str, "time_unix_nano": int}``, replaced atomically
-(a temporary file, then a rename), so a reader sees the old or the new one, never a mix.
+(a temporary file, then a rename; in a bucket, one PUT), so a reader sees the old or the new one,
+never a mix. In a bucket (``s3://…``) reading it needs pyarrow (lightspan.store.objects).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan.store.layout import data_dir as _data_dir
+from lightspan.store.layout import is_remote, read_text, write_text
 
 FILE = "policy.json"
 
@@ -29,8 +31,10 @@ class Policy:
     time_unix_nano: int   # when it was published
 
 
-def path(data_dir: str | os.PathLike | None = None) -> Path:
-    return _data_dir(data_dir) / FILE
+def path(data_dir: str | os.PathLike | None = None) -> Path | str:
+    """Where policy.json is: a path, or an ``s3://`` URL for a data location in a bucket."""
+    root = _data_dir(data_dir)
+    return f"{root}/{FILE}" if is_remote(root) else root / FILE
 
 
 def read(data_dir: str | os.PathLike | None = None) -> Policy | None:
@@ -38,7 +42,7 @@ def read(data_dir: str | os.PathLike | None = None) -> Policy | None:
     the trainer writes it atomically, so that is a file someone else wrote; it is logged by the
     caller that cares)."""
     try:
-        doc = json.loads(path(data_dir).read_text())
+        doc = json.loads(read_text(path(data_dir)))
         return Policy(int(doc["version"]), str(doc.get("path") or ""), int(doc.get("time_unix_nano") or 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -52,11 +56,7 @@ def served_version(data_dir: str | os.PathLike | None = None) -> int:
 
 def write(data_dir: str | os.PathLike, version: int, checkpoint: str | os.PathLike) -> Policy:
     """Publish ``version`` served from ``checkpoint``, atomically (temporary file + rename)."""
-    root = _data_dir(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
     policy = Policy(int(version), str(Path(checkpoint).resolve()), time.time_ns())
-    tmp = root / f".{FILE}.tmp"
-    tmp.write_text(json.dumps({"version": policy.version, "path": policy.path,
-                               "time_unix_nano": policy.time_unix_nano}) + "\n")
-    os.replace(tmp, root / FILE)
+    write_text(path(data_dir), json.dumps({"version": policy.version, "path": policy.path,
+                                           "time_unix_nano": policy.time_unix_nano}) + "\n")
     return policy

@@ -37,7 +37,7 @@ ALLOWED = {
 # third-party packages a part may import (the standard library always)
 THIRD_PARTY = {
     "tracing": {"opentelemetry", "wrapt", "orjson", "openai", "anthropic", "httpx", "httpx2"},
-    "store": {"duckdb", "pyarrow"},
+    "store": {"duckdb", "pyarrow", "fsspec"},   # fsspec: DuckDB reads s3:// by name through it (store/objects.py)
 }
 HEAVY = ("torch", "transformers", "trl", "duckdb", "grpc", "pyarrow", "accelerate", "peft")
 

@@ -26,6 +26,11 @@ class TrainerConfig:
     output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints.")
     # weight sync
     vllm_url: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server to push weights to.")
+    vllm_replicas: tuple[str, ...] = option(
+        (), "Several vLLM replicas to sync instead of vllm_url, comma-separated base URLs; "
+        "dns+http://NAME:PORT stands for every address NAME resolves to (a Kubernetes headless Service), "
+        "resolved at each sync. All are paused, synced, resumed and verified together; one that fails is "
+        "out of rotation (DATA_DIR/replicas.json, which the gateway follows) until a later sync reaches it.")
     served_model_name: str = option("policy", "The name agents call the policy by (used to verify a sync). "
                                     "With sync 'lora' it is the adapter's stable name, and vLLM serves the "
                                     "base model under another name (lightspan vllm --lora-rank R does).")
@@ -151,6 +156,16 @@ class TrainerConfig:
                 fail("sync", f"'nccl' cannot run in this process: {problem}",
                      "run the trainer on an NVIDIA GPU with vllm installed beside it, at the server's version "
                      "(pip install vllm==<the server's version>), or pass --sync reload")
+        for target in self.vllm_replicas:
+            if not target.removeprefix("dns+").startswith(("http://", "https://")):
+                fail("vllm_replicas", f"{target!r} is not a base URL",
+                     "give http://HOST:PORT entries, or dns+http://NAME:PORT for every address of NAME")
+        if self.vllm_replicas and self.sync == "nccl":
+            fail("vllm_replicas", "'nccl' joins one vLLM server's workers in one NCCL group",
+                 "use --sync reload or lora with replicas, or one vllm_url with nccl")
+        if self.data_dir.startswith("s3://") and not self.output_dir:
+            fail("output_dir", f"data_dir {self.data_dir!r} is a bucket, and vLLM reads checkpoints from a path",
+                 "set --output-dir to a directory the trainer and every vLLM replica mount (e.g. /checkpoints)")
         if self.lora_r:
             if not self.lora_alpha > 0:
                 fail("lora_alpha", f"must be > 0, got {self.lora_alpha}", "pass e.g. --lora-alpha 32")

@@ -64,6 +64,7 @@ from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, 
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
+from lightspan.trainer.replicas import ReplicaSync
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,15 @@ class Trainer:
         self.config = config
         self.data_dir = store.data_dir(config.data_dir)
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
-        self.sync = sync or {"reload": lambda: ReloadSync(config.vllm_url),
-                             "lora": lambda: LoraSync(config.vllm_url, config.served_model_name),
-                             # the live tensors, not a checkpoint: the model exists after load_or_init
-                             "nccl": lambda: NcclSync(config.vllm_url,
-                                                      lambda: self.accelerator.unwrap_model(self.model)),
-                             }.get(config.sync, NoSync)()
+        def backend(url: str) -> WeightSync:
+            return {"reload": lambda: ReloadSync(url, serving=self._served_dir() if config.vllm_replicas else None),
+                    "lora": lambda: LoraSync(url, config.served_model_name),
+                    # the live tensors, not a checkpoint: the model exists after load_or_init
+                    "nccl": lambda: NcclSync(url, lambda: self.accelerator.unwrap_model(self.model)),
+                    }.get(config.sync, NoSync)()
+        # several replicas: each gets its backend, created at its first push (trainer/replicas.py)
+        self.sync = sync or (ReplicaSync(config.vllm_replicas, backend, self.data_dir) if config.vllm_replicas
+                             else backend(config.vllm_url))
         self.metrics = TrainerMetrics()           # served on /metrics by driver.run()
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         dist.fsdp_on_cpu(self.accelerator)
@@ -236,7 +240,9 @@ class Trainer:
 
     def _verifies(self) -> bool:
         """Whether publish checks the served logprobs against the trainer's."""
-        return self.config.verify_sync and isinstance(self.sync, (ReloadSync, LoraSync, NcclSync))
+        return self.config.verify_sync and isinstance(
+            self.sync, (ReloadSync, LoraSync, NcclSync, ReplicaSync)
+        )
 
     def _on_main(self, fn):
         return dist.on_main(self.accelerator, fn)
@@ -373,7 +379,8 @@ class Trainer:
         diff = None
         if self._verifies():
             ids, expected = expected or self.verify_sequence()
-            diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
+            diff = (self.sync.verify(self.config.served_model_name, ids, expected) if isinstance(self.sync, ReplicaSync)
+                    else verify(self.config.vllm_url, self.config.served_model_name, ids, expected))
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
         store.policy.write(self.data_dir, self.version, checkpoint)
