@@ -30,7 +30,7 @@ _TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}"
 
 
 def untraced_key(rollout_id: str | None, traceparent: str | None) -> str:
-    """The key of a call the gateway passes through untraced (the Responses API, Anthropic Messages):
+    """The key of a call the gateway passes through untraced (``GET /v1/models``, token counting, …):
     its rollout id, else the trace id of its W3C ``traceparent`` (the key a traced call of the same
     trace gets, its span being a child in that trace), else "" (one replica for all such calls)."""
     if rollout_id:

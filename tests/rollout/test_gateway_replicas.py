@@ -120,7 +120,7 @@ def test_an_untraced_call_is_keyed_by_its_rollout_else_its_trace():
     assert untraced_key("", "00-not-a-trace-01") == "" and untraced_key(None, None) == ""
 
 
-def test_passed_through_generation_calls_stay_on_their_rollouts_replica_too(tmp_path):
+def test_responses_and_messages_calls_stay_on_their_rollouts_replica_too(tmp_path):
     a, b = _Echo(), _Echo()
     gw = Gateway(GatewayConfig(upstreams=(a.url, b.url), port=0, data_dir=str(tmp_path)), TracerProvider())
     url = gw.start()
