@@ -101,9 +101,6 @@ CASES = {
 }
 NEEDS = {"langgraph_supervisor": ("langgraph_supervisor", "opentelemetry.instrumentation.langchain"),
          "agents_sdk": ("agents", "opentelemetry.instrumentation.openai_agents")}
-ID_RETURN = pytest.mark.xfail(strict=True, reason=(
-    "Agent Lightning's CompletionAgent reads choices[0].token_ids that it never asked for (its proxy "
-    "always adds return_token_ids); returning them to it is the instrumentor's part of issue 17"))
 
 
 def _rollout(case: str, served, collector, tmp_path) -> tuple[list[str], object]:
@@ -135,8 +132,9 @@ def _rollout(case: str, served, collector, tmp_path) -> tuple[list[str], object]
     return rollout_ids, con
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=ID_RETURN) if c == "agl_gsm8k_completion" else c
-                                  for c in CASES])
+# (agl_gsm8k_completion: Agent Lightning's CompletionAgent reads choices[0].token_ids it never asked
+# for, as its proxy always adds return_token_ids; the instrumentor returns the ids to an AGL_ caller)
+@pytest.mark.parametrize("case", list(CASES))
 def test_an_unchanged_agent_runs_is_captured_rewarded_and_attributed(case, served, collector, tmp_path):
     from lightspan import store
     from lightspan.lightningrl.builder import build_transitions

@@ -1,4 +1,6 @@
-"""The ``openai`` releases agents use: 1.x (from 1.66, the first with the Responses API), 2.x (crewAI
+"""The ``openai`` releases agents use: 1.x (from 1.67: 1.66 had the Responses API but no
+``usage.input_tokens_details``, and traceloop's instrumentation 0.62.4 then raises on every
+Responses answer whose prompt vLLM found in its prefix cache), 2.x (crewAI
 needs ``openai<3``) and 3.x (this environment's). For the two older lines a throwaway virtual
 environment is built under pytest's tmp dir (``pip install openai==X`` and lightspan's agent side:
 about 30 s each, made once per session), and tests/tracing/openai_version_calls.py makes one call
@@ -20,7 +22,7 @@ from tests.tracing.test_frameworks import _Recorder, vllm_returned
 from tests.tracing.test_protocols import _exchanges, responses_returned
 
 ROOT = Path(__file__).resolve().parents[2]
-VERSIONS = ["1.66.0", "2.54.0"]   # the oldest supported, the newest of the 2.x line
+VERSIONS = ["1.67.0", "2.54.0"]   # the oldest supported, the newest of the 2.x line
 
 
 @pytest.fixture(scope="module")
