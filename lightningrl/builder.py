@@ -98,6 +98,7 @@ Metrics (one build):
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import duckdb
@@ -134,18 +135,39 @@ def build_incremental(con: duckdb.DuckDBPyConnection, config: TransitionsConfig,
     watermark, to be saved (``watermark.save``) once the table is written."""
     t0 = time.perf_counter()
     now = time.time_ns() if now_unix_nano is None else int(now_unix_nano)
+    passes = selection.passes(config)
     try:
-        found = selection.read_spans(con, config, since, now, selection.span_files(config.data_dir))
+        founds = selection.read_spans(con, config, since, now, selection.span_files(config.data_dir), passes)
     finally:
         selection.drop_temp(con)
-    if found.num_rollouts:
-        table, stats = assign(found.calls, found.rewards, found.groups, found.tokens, found.num_rollouts, config, now)
-    else:
-        table, stats = store.TRANSITION_SCHEMA.empty_table(), empty_stats()
+    own_config = {p.name: c for p, c in config.policy_configs}
+    tables, per_pass = [], []
+    for p, found in zip(passes, founds):
+        if found.num_rollouts:      # each policy's own credit, gamma and advantage
+            table, stats = assign(found.calls, found.rewards, found.groups, found.tokens, found.num_rollouts,
+                                  own_config.get(p.policy, config), now, p.policy)
+        else:
+            table, stats = store.TRANSITION_SCHEMA.empty_table(), empty_stats()
+        tables.append(table)
+        per_pass.append(_pass_metrics(found, stats))
     # never past spans that may still be on their way to Parquet; never backwards
     lag = now - int(config.watermark_lag_s * 1e9)
-    next_mark = Watermark(max(since.received_unix_nano, min(found.newest, lag)), tuple(sorted(found.pending)))
+    pending = sorted({key for found in founds for key in found.pending})
+    next_mark = Watermark(max(since.received_unix_nano, min(founds[0].newest, lag)), tuple(pending))
 
+    if config.policy_configs:
+        metrics = combined(dict(zip((p.policy for p in passes), per_pass)),
+                           unowned=len(set().union(*(found.unowned for found in founds))))
+    else:
+        metrics = per_pass[0]
+    metrics["transitions/pending_rollouts"] = len(next_mark.pending)
+    metrics["transitions/watermark_unix_nano"] = next_mark.received_unix_nano
+    metrics["transitions/build_seconds"] = time.perf_counter() - t0
+    return pa.concat_tables(tables), metrics, next_mark
+
+
+def _pass_metrics(found: selection.Found, stats: dict) -> dict:
+    """The ``transitions/*`` metrics of one policy's pass."""
     metrics: dict = {"transitions/rollouts": int(found.num_rollouts), **stats,
                      "transitions/truncated_calls": int(found.truncated_calls)}
     for reason in selection.ROLLOUT_DROP_REASONS:
@@ -154,10 +176,55 @@ def build_incremental(con: duckdb.DuckDBPyConnection, config: TransitionsConfig,
         metrics[f"transitions/dropped_calls/{reason}"] = int(found.dropped_calls[reason] or 0)
     for key, value in found.scan.items():
         metrics[f"transitions/{key}"] = int(value)
-    metrics["transitions/pending_rollouts"] = len(next_mark.pending)
-    metrics["transitions/watermark_unix_nano"] = next_mark.received_unix_nano
-    metrics["transitions/build_seconds"] = time.perf_counter() - t0
-    return table, metrics, next_mark
+    return metrics
+
+
+_SHARED = ("transitions/spans_read", "transitions/duplicate_spans")   # step 1: one read for every pass
+_WEIGHTED = {"transitions/reward_mean": "transitions/rollouts", "transitions/return_mean": "transitions/rollouts",
+             "transitions/advantage_abs_mean": "transitions/sequences",
+             "transitions/group_size_mean": "transitions/groups"}
+
+
+def combined(by_policy: dict[str, dict], *, unowned: int) -> dict:
+    """The metrics of a build with policies: each policy's under ``transitions/policies/<name>/``,
+    and at the top the counts added over the policies (a rollout emitted for two policies counts
+    twice), the means weighted by what they average over, ``reward_std`` pooled, and
+    ``dropped_calls/agent_mismatch`` = ``unowned``: calls of emitted rollouts that no policy owns."""
+    first = next(iter(by_policy.values()))
+    out = {}
+    for key, value in first.items():
+        values = [m[key] for m in by_policy.values()]
+        if key in _SHARED:
+            out[key] = value
+        elif key == "transitions/token_files_read":
+            out[key] = max(values)
+        elif key in _WEIGHTED:
+            out[key] = _mean(values, [m[_WEIGHTED[key]] for m in by_policy.values()])
+        elif key == "transitions/reward_std":
+            out[key] = _pooled_std(by_policy.values())
+        else:
+            out[key] = sum(values)
+    out["transitions/dropped_calls/agent_mismatch"] = unowned
+    for name, metrics in by_policy.items():
+        out.update({f"transitions/policies/{name}/{key.removeprefix('transitions/')}": value
+                    for key, value in metrics.items() if key not in _SHARED})
+    return out
+
+
+def _mean(values, weights) -> float:
+    pairs = [(v, w) for v, w in zip(values, weights) if w]
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else math.nan
+
+
+def _pooled_std(metrics) -> float:
+    """The population std of the rollouts' rewards over every policy, from each policy's n, mean, std."""
+    parts = [(m["transitions/rollouts"], m["transitions/reward_mean"], m["transitions/reward_std"])
+             for m in metrics if m["transitions/rollouts"]]
+    if not parts:
+        return math.nan
+    n = sum(k for k, _, _ in parts)
+    mean = sum(k * mu for k, mu, _ in parts) / n
+    return math.sqrt(sum(k * (sd ** 2 + (mu - mean) ** 2) for k, mu, sd in parts) / n)
 
 
 def run(config: TransitionsConfig, *, now_unix_nano: int | None = None) -> dict:

@@ -9,8 +9,10 @@ span the OpenAI instrumentation opened (traceloop's or OTel's), so the attribute
    ``return_token_ids`` and sampled-token ``logprobs``; hosted APIs, which reject unknown fields,
    are never touched;
 2. the response's prompt ids, completion ids (one list per choice, ``n > 1`` included) and
-   logprobs are recorded as little-endian bytes (DESIGN §3.1), with the serving policy version
-   (``LIGHTSPAN_MODEL_VERSION``) and ``lightspan.capture.status`` (``ok`` or why not);
+   logprobs are recorded as little-endian bytes (docs/architecture.md, "Attributes"), with the
+   serving policy version (``LIGHTSPAN_MODEL_VERSION``; with several policies,
+   ``LIGHTSPAN_POLICY_VERSIONS`` maps the response's model name to its policy and version) and
+   ``lightspan.capture.status`` (``ok`` or why not);
 3. streams (``stream=True``, sync and async, chat and completions) are decoded by lightspan: the
    stream object the caller gets is the same one, with its server-sent-event decoder replaced
    (``_CapturedDecoder``, over ``sse.SSEParser``); its chunks are the same, and the ids collected
@@ -113,6 +115,21 @@ def _capture_operation(base_url: str, path: str, urls_raw: str) -> str | None:
 
 def model_version() -> int | None:
     return _model_version(os.environ.get("LIGHTSPAN_MODEL_VERSION", ""))
+
+
+def served_policy(model: str | None) -> tuple[str | None, int | None]:
+    """(policy, version) that served a call to ``model``: with several policies served
+    (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
+    ``LIGHTSPAN_MODEL_VERSION``'s version."""
+    versions = _policy_versions(os.environ.get(semconv.POLICY_VERSIONS_ENV, ""))
+    if model in versions:
+        return model, versions[model]
+    return None, model_version()
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_versions(raw: str) -> dict[str, int]:
+    return semconv.parse_policy_versions(raw)
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,7 +268,10 @@ def _record(span, cap: Capture, owned: bool) -> None:
         span.set_attribute(semconv.CAPTURE_STATUS, "capture_error")
         return
     try:
-        attrs = cap.attributes(model_version())
+        policy, version = served_policy(cap.model)
+        attrs = cap.attributes(version)
+        if policy is not None:
+            attrs[semconv.POLICY_NAME] = policy
         if owned:
             attrs.update(cap.genai_attributes())
         span.set_attributes(attrs)
