@@ -95,6 +95,17 @@ def save(output_dir: Path, version: int, model, *, model_source: Path, state: di
     return final
 
 
+def load_model(path: Path):
+    """The model saved in ``path``, in float32 and untied (:func:`untie`)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (config.json missing): pass --model DIR")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    untie(model)
+    return model
+
+
 def prune(output_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints."""
     for _, old in checkpoints(output_dir)[:-keep]:

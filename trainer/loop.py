@@ -132,14 +132,7 @@ class Trainer:
 
     def launch_problem(self) -> str | None:
         """Why this launch cannot train, or None."""
-        if self.accelerator.distributed_type.value == "DEEPSPEED":
-            # save() writes rank 0's model and optimizer: ZeRO's partitions are gathered only for FSDP
-            return ("DEEPSPEED is not supported yet: checkpoints do not gather ZeRO-partitioned weights and "
-                    "optimizer state; launch with deploy/accelerate/fsdp.yaml (sharded) or ddp.yaml")
-        if self.sharded and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
-            return (f"FSDP version {self.accelerator.state.fsdp_plugin.fsdp_version} is not supported: set "
-                    "fsdp_version: 2 (deploy/accelerate/fsdp.yaml)")
-        return None
+        return dist.launch_problem(self.accelerator)
 
     # ---- state ------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -160,7 +153,8 @@ class Trainer:
                               f"lora_r is {cfg.lora_r}",
                               "resume with the setting the run started with, or start a new run in another "
                               "output_dir (--output-dir) from --model")
-        model = base if base is not None else self._base(source)
+        # a LoRA checkpoint holds the adapter only: the base is config.model
+        model = base if base is not None else ckpt.load_model(Path(cfg.model) if cfg.lora_r else source)
         if cfg.lora_r:
             model = with_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                               targets=cfg.lora_target_modules, seed=cfg.seed, adapter_dir=source if found else None,
@@ -210,17 +204,6 @@ class Trainer:
 
                 ref_model = prepare_fsdp(ref_model, self.accelerator)
             self.ref_model = ref_model
-
-    def _base(self, source: Path):
-        """The base model: config.model with LoRA (a LoRA checkpoint holds the adapter only), else ``source``."""
-        from transformers import AutoModelForCausalLM
-
-        base = Path(self.config.model) if self.config.lora_r else source
-        if not (base / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {base} (config.json missing): pass --model DIR")
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        ckpt.untie(model)
-        return model
 
     def _activate(self, model=None) -> None:
         """Make this policy's adapter the active and only trainable one (trainer/lora.py, 4.)."""
