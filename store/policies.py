@@ -166,11 +166,12 @@ def owner(policies: tuple[PolicyConfig, ...], agent: str) -> PolicyConfig | None
     return found[0] if found else None
 
 
-def override(config, policy: PolicyConfig, fields: tuple[str, ...]):
-    """``config`` (a component's frozen config) with ``policy``'s settings among ``fields``, validated
-    by the component's own checks; a bad value is reported as ``policies.<name>.<field>``."""
+def override(config, policy: PolicyConfig, fields: tuple[str, ...], **more):
+    """``config`` (a component's frozen config) with ``policy``'s settings among ``fields`` (and the
+    fields ``more`` sets), validated by the component's own checks; a bad value is reported as
+    ``policies.<name>.<field>``."""
     try:
-        return dataclasses.replace(config, **policy.overrides(fields))
+        return dataclasses.replace(config, **more, **policy.overrides(fields))
     except ConfigError as exc:
         name = exc.field.split(".", 1)[1]
         problem, _, fix = str(exc).split(": ", 1)[1].partition("; fix: ")

@@ -104,10 +104,10 @@ def served_by(published: Mapping[str, Policy], model: str | None) -> Policy | No
     None for any other model (the base model, the unnamed policy)."""
     if not model:
         return None
-    if model in published and model:
+    if model in published:
         return published[model]
     m = _VERSIONED.fullmatch(model)
-    if m and m.group(1) in published and m.group(1):
+    if m and m.group(1) in published:
         p = published[m.group(1)]
         return Policy(int(m.group(2)), p.path if p.version == int(m.group(2)) else "", p.time_unix_nano, p.name)
     return None

@@ -6,7 +6,6 @@ command line) and written as ``trainer_config.json`` into every checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,13 +181,12 @@ class TrainerConfig:
         out = []
         base_dir = Path(self.output_dir) if self.output_dir else Path(self.data_dir) / "checkpoints"
         for p in load_policies(self.policies):
-            # the policy's own checkpoints and served name; its fields over this section's
-            own = dataclasses.replace(self, policies="", served_model_name=p.name, output_dir=str(base_dir / p.name))
-            own = override(own, p, TRAINER_FIELDS)
-            if not own.lora_r:
+            if not (self.lora_r if p.lora_r is None else p.lora_r):
                 raise ConfigError("policies", f"{p.name}.lora_r", "is 0: several policies train LoRA adapters over "
-                                  "one shared base model", f"give the policy a lora_r, or pass --lora-r 16")
-            out.append((p, own))
+                                  "one shared base model", "give the policy a lora_r, or pass --lora-r 16")
+            # its own checkpoints and served name, and its fields over this section's
+            out.append((p, override(self, p, TRAINER_FIELDS, policies="", served_model_name=p.name,
+                                    output_dir=str(base_dir / p.name))))
         return tuple(out)
 
     @property

@@ -222,3 +222,52 @@ def test_a_rollout_with_both_agents_trains_both_policies(lora_vllm, tiny_model, 
     assert [s[:3] for s in steps] == [("checker", 1, 4), ("writer", 1, 4)], steps
     assert all(s[3] < 1e-4 for s in steps), steps
     assert store.policy.served_versions(data) == {"writer": 1, "checker": 1}
+
+
+# --- configuration: fails at start-up, naming the field ------------------------------------------
+
+def write_policies(tmp_path, text):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_each_policy_gets_its_own_trainer_config(tmp_path, tiny_model, policies_file):
+    cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path), sync="lora", lora_r=16,
+                        policies=str(policies_file), max_staleness=3)
+    (writer, w), (checker, c) = cfg.policy_configs
+    assert (writer.name, w.served_model_name, w.lora_r, w.learning_rate) == ("writer", "writer", 16, 1e-5)
+    assert (checker.name, c.served_model_name, c.lora_r, c.learning_rate) == ("checker", "checker", 4, 0.1)
+    assert Path(c.output_dir) == tmp_path / "checkpoints" / "checker" and w.max_staleness == c.max_staleness == 3
+    assert not w.policies and not w.policy_configs
+
+
+@pytest.mark.parametrize("kwargs, text, field", [
+    (dict(sync="reload"), POLICIES, "trainer.sync"),
+    (dict(sync="lora", lora_r=0), POLICIES, "policies.writer.lora_r"),      # the checker has its own, the writer none
+    (dict(sync="lora", lora_r=8), POLICIES + "weight_decay = -1.0\n", "policies.checker.weight_decay"),
+    (dict(sync="lora", lora_r=8), POLICIES.replace("lora_r = 4", "lora_r = -4"), "policies.checker.lora_r"),
+])
+def test_bad_policy_settings_fail_when_the_trainer_starts(tmp_path, tiny_model, kwargs, text, field):
+    from lightspan.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path), policies=write_policies(tmp_path, text), **kwargs)
+    assert err.value.field == field
+
+
+def test_vllm_serves_the_policies_side_by_side(tmp_path, tiny_model):
+    from lightspan import inference
+    from lightspan.config import ConfigError
+
+    cfg = inference.VLLMConfig(model=str(tiny_model), lora_rank=8, policies=write_policies(tmp_path, POLICIES))
+    command = inference.command(cfg)
+    assert command[command.index("--served-model-name") + 1] == "policy-base"
+    assert command[command.index("--max-loras") + 1] == command[command.index("--max-cpu-loras") + 1] == "5"
+    for kwargs, text, field in [
+            (dict(lora_rank=0), POLICIES, "vllm.lora_rank"),
+            (dict(lora_rank=1), POLICIES, "vllm.lora_rank"),                  # the checker's lora_r is 4
+            (dict(lora_rank=8), POLICIES.replace('"checker"', '"policy-base"'), "policies.policy-base.name")]:
+        with pytest.raises(ConfigError) as err:
+            inference.VLLMConfig(model=str(tiny_model), policies=write_policies(tmp_path, text), **kwargs)
+        assert err.value.field == field
