@@ -24,7 +24,8 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    ``lightspan.rollout`` root span with status ERROR is also failed), ``time_window`` (started
    before ``since`` or at/after ``until``), ``no_token_ids`` (no LLM call at all),
    ``agent_mismatch`` (no call of an agent matching ``agent_match``), ``no_token_ids`` (no
-   matching call with token ids), ``model_version`` (a matching call with token ids served by a
+   matching call with token ids), ``other_policy`` (every such call was served by another named
+   policy, step 7), ``model_version`` (a matching call with token ids served by a
    version outside [min_model_version, max_model_version]), ``truncated`` (``drop_truncated`` and
    every such call stopped at the length limit), ``no_reward`` (no finite reward),
    ``small_group`` (fewer than ``min_group_size`` rollouts of its task left in this build).
@@ -58,6 +59,16 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    G_0 for a sequence that starts at the first call — and the oldest model version of its
    calls (staleness is bounded by the oldest policy that wrote it).
 
+7. Several policies (``policies``, lightspan/store/policies.py): steps 2-6 run once per policy
+   over the spans step 1 read (token lists decoded once), the policy's owned agents as the
+   matching ones: its own anti-join (a rollout built for one policy is still unbuilt for
+   another), its own groups (the rollouts of one task that have its calls), its own credit,
+   gamma and advantage, its rows marked ``policy``. A reward is matched among that policy's calls
+   (step 5), so under ``discounted`` a policy's return counts the rewards from its own calls on. A
+   call of its agents that recorded another policy (``lightspan.policy.name``: served by another
+   adapter, whose logprobs these are) is not trained: ``other_policy``. A call that records no
+   policy is its owner's.
+
 Drop counts are per build. A full build counts every unbuilt rollout again; an incremental
 build counts the rollouts it read (new spans, or pending). Two builds must not run at once on
 one data dir.
@@ -83,8 +94,13 @@ Metrics (one build):
   ``other``.
 - ``transitions/dropped_rollouts/<reason>``: rollouts not emitted, by first reason (above).
 - ``transitions/dropped_calls/duplicate``, ``/agent_mismatch``, ``/no_token_ids``,
-  ``/truncated``: LLM call spans of *emitted* rollouts that are not trained; with ``/calls``
-  they add up to all their LLM call spans.
+  ``/other_policy``, ``/truncated``: LLM call spans of *emitted* rollouts that are not trained;
+  with ``/calls`` they add up to all their LLM call spans.
+- With policies, each policy's metrics (all of the above but ``spans_read`` and
+  ``duplicate_spans``) are ``transitions/policies/<name>/...``; the top-level ones add the
+  policies' up (a rollout emitted for two policies counts twice), the means weighted by what
+  they average over and ``reward_std`` pooled, except ``dropped_calls/agent_mismatch``: the calls
+  of emitted rollouts that *no* policy owns, each once.
 - ``transitions/duplicate_spans``: re-sent copies of spans among those read (ignored).
 - ``transitions/already_built``: rollouts read that earlier builds emitted (skipped).
 - ``transitions/spans_read``: span rows read (both copies of a re-sent span count);
