@@ -202,8 +202,8 @@ def main() -> int:
         ratio = f"{r['step']:.2f} ({r['step_cpu']:.2f})      {r['sync']:.2f}" if r else "-"
         out.write(f"{name:8} {m['step']:.3f} ({m['step_cpu']:.3f})    {m['sync']:.3f}    {ratio}\n")
     out.write(f"max |logprob(vLLM) - logprob(trainer)| after a sync: {t['max_abs_logprob_diff']:.2e}\n")
-    out.write("serving (tokens/s, median): " + ", ".join(f"{k} {v:.1f}" for k, v in s["median_tokens_per_second"].items())
-              + f"; two adapters / one: {s['two_over_one_median']:.2f}\n")
+    rates = ", ".join(f"{k} {v:.1f}" for k, v in s["median_tokens_per_second"].items())
+    out.write(f"serving (tokens/s, median): {rates}; two adapters / one: {s['two_over_one_median']:.2f}\n")
     if args.json:
         out.write(json.dumps(result, default=str) + "\n")
     return 0 if t["max_abs_logprob_diff"] < 1e-3 else 1

@@ -113,11 +113,12 @@ class VLLMConfig:
         policies = load_policies(self.policies)
         if not self.lora_rank:
             raise ConfigError("vllm", "lora_rank", "is 0, but every policy is a LoRA adapter",
-                              f"pass --lora-rank R >= every policy's lora_r (one of {', '.join(map(str, LORA_RANKS[1:]))})")
+                              "pass --lora-rank R >= every policy's lora_r (one of "
+                              f"{', '.join(map(str, LORA_RANKS[1:]))})")
         for p in policies:
             if p.lora_r is not None and p.lora_r > self.lora_rank:
-                raise ConfigError("vllm", "lora_rank", f"{self.lora_rank} is below policy {p.name!r}'s lora_r {p.lora_r}",
-                                  f"pass --lora-rank {next(r for r in LORA_RANKS if r >= p.lora_r)} or more")
+                raise ConfigError("vllm", "lora_rank", f"{self.lora_rank} is below policy {p.name!r}'s lora_r "
+                                  f"{p.lora_r}", f"pass --lora-rank {next(r for r in LORA_RANKS if r >= p.lora_r)} or more")
             if p.name == self.served_base_name:
                 raise ConfigError("policies", f"{p.name}.name", "is the name the base model is served under",
                                   "rename the policy, or pass another --base-model-name")

@@ -152,9 +152,10 @@ def main() -> int:
 
     def rollouts(tasks: Path, split: str, samples: int, logs: Path) -> dict:
         outcome = lightspan("rollout", "--tasks", str(tasks), "--split", split, "--samples", str(samples),
-                            "--concurrency", str(args.concurrency), "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",
+                            "--concurrency", str(args.concurrency), "--timeout-s", "300",
+                            "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",
                             "--openai-base-url", f"{vllm_cfg.url}/v1", "--data-dir", str(data), "--logs-dir", str(logs),
-                            "--timeout-s", "300", "--", sys.executable, str(HERE / "agent.py"), env=env)
+                            "--", sys.executable, str(HERE / "agent.py"), env=env)
         requests.post(f"{api}/v1/flush", timeout=120).raise_for_status()
         return outcome
 
@@ -182,8 +183,9 @@ def main() -> int:
                             "--http-port", str(ports["http"]), "--api-port", str(ports["api"])], f"{api}/healthz", 60)
         spawn("vllm", inference.command(vllm_cfg), f"{vllm_cfg.url}/health", vllm_cfg.startup_timeout_s,
               inference.environment(vllm_cfg))
-        trainer = spawn("trainer", [*cli, "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model),
-                                    "--vllm-url", vllm_cfg.url, "--sync", "lora", "--lora-r", str(args.lora_r),
+        trainer = spawn("trainer", [*cli, "train", "--mode", "continuous", "--data-dir", str(data),
+                                    "--model", str(model), "--vllm-url", vllm_cfg.url, "--sync", "lora",
+                                    "--lora-r", str(args.lora_r),
                                     "--lora-alpha", str(2 * args.lora_r), "--learning-rate", str(args.learning_rate),
                                     "--policies", args.policies, "--metrics-port", "0"], None, 0)
         wait_versions(data, {"writer": 0, "checker": 0}, trainer, 600)
