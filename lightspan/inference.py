@@ -117,8 +117,9 @@ class VLLMConfig:
                               f"{', '.join(map(str, LORA_RANKS[1:]))})")
         for p in policies:
             if p.lora_r is not None and p.lora_r > self.lora_rank:
+                enough = next((r for r in LORA_RANKS if r >= p.lora_r), LORA_RANKS[-1])
                 raise ConfigError("vllm", "lora_rank", f"{self.lora_rank} is below policy {p.name!r}'s lora_r "
-                                  f"{p.lora_r}", f"pass --lora-rank {next(r for r in LORA_RANKS if r >= p.lora_r)} or more")
+                                  f"{p.lora_r}", f"pass --lora-rank {enough} or more")
             if p.name == self.served_base_name:
                 raise ConfigError("policies", f"{p.name}.name", "is the name the base model is served under",
                                   "rename the policy, or pass another --base-model-name")

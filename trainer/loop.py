@@ -246,8 +246,8 @@ class Trainer:
     def next_batch(self) -> Batch | None:
         """The next batch after the cursor, or None if fewer than min_transitions are trainable."""
         model_config = self.accelerator.unwrap_model(self.model).config
-        return next_batch(self.data_dir, self.config, version=self.version, cursor=self.cursor, policy=self.policy,
-                          vocab_size=model_config.vocab_size,
+        return next_batch(self.data_dir, self.config, version=self.version, cursor=self.cursor,
+                          policy=self.policy, vocab_size=model_config.vocab_size,
                           max_len=getattr(model_config, "max_position_embeddings", None) or 2**31 - 1)
 
     # ---- optimisation -----------------------------------------------------------------------
@@ -384,8 +384,9 @@ class Trainer:
         if metrics is None:
             self.metrics.set_version(self.version)
             return {}
-        row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id, "policy": self.policy,
-               "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
+        row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
+               "policy": self.policy, "step": self.version, "policy_version": self.version,
+               "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names
         store.write_table(self.data_dir, "train_steps",
                           pa.Table.from_pylist([{k: row.get(k) for k in names}], schema=store.TRAIN_STEP_SCHEMA))
