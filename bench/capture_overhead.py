@@ -1,22 +1,26 @@
 """Benchmark: the agent-side cost of lightspan's instrumentor per LLM call, side by side with the
-same agent under traceloop's OpenAI instrumentation alone.
+same agent under traceloop's OpenAI instrumentation alone, for each protocol (``--apis``: openai
+chat completions and Responses, anthropic Messages), streamed and not.
 
     .venv/bin/python bench/capture_overhead.py [--calls 2000] [--vllm-url http://127.0.0.1:8000]
 
-1. A stub HTTP server on loopback, in its own process, answers ``POST /v1/chat/completions`` with a
-   canned response shaped exactly as vLLM 0.32's (field for field, from a recorded one), for a
-   ``--prompt-tokens`` prompt and ``--completion-tokens`` completion tokens: with
-   ``prompt_token_ids``, ``token_ids`` and sampled-token ``logprobs`` when the request asks for
-   them (lightspan's instrumentor does), with those fields ``null`` when it does not, as vLLM does.
-   It stands in for vLLM only to isolate the client's side: with a real model the server's time
-   dwarfs and blurs the client's. Streamed calls get one SSE chunk per token, as vLLM sends them.
+1. A stub HTTP server on loopback (bench/capture_stub.py), in its own process, answers
+   ``POST /v1/chat/completions``, ``/v1/responses`` and ``/v1/messages`` with canned answers shaped
+   exactly as vLLM 0.32's (field for field, from recorded ones), for a ``--prompt-tokens`` prompt
+   and ``--completion-tokens`` completion tokens: with the ids and sampled-token logprobs when the
+   request asks for them (lightspan's instrumentor does), with those fields ``null`` when it does
+   not, as vLLM does. It stands in for vLLM only to isolate the client's side: with a real model
+   the server's time dwarfs and blurs the client's. Streamed calls get one event per token, as vLLM
+   sends them. An Anthropic call without lightspan goes to ``/v1/messages``; with it, converted, to
+   the chat completions (tracing/anthropic_convert.py), so its overhead includes the conversion.
 2. One agent process: an SDK tracer provider with a BatchSpanProcessor whose exporter encodes
    every batch to OTLP protobuf and drops it (the network is not measured), traceloop's OpenAI
    instrumentation (the one we ship with) on, lightspan's instrumentor on, and two ``openai``
    clients: one built *before* lightspan's instrumentor was installed (an openai resource keeps
    the ``post`` it was built with, so lightspan never sees its calls: the baseline) and one built
    after (captured; the script checks that every one of its calls was). Calls alternate between
-   the two (ABBA…), so the noise of a shared machine hits both alike. The prompt is
+   the two (ABBA…), so the noise of a shared machine hits both alike (the anthropic client likewise,
+   with its own tracing of its calls on in both). The prompt is
    ``--prompt-chars`` characters (≈ 1k tokens of English for a BPE tokenizer).
 3. Per call: the calling thread's CPU time (``time.thread_time``: the client-side time of the
    call, without the stub's) and its wall time. Reported: medians over ``--calls`` calls each.
@@ -53,72 +57,14 @@ import statistics
 import subprocess
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-MODEL = "policy"
+import capture_stub
 
-
-# --- the stub server (its own process) -----------------------------------------------------------
-
-def _response_bodies(prompt_tokens: int, completion_tokens: int) -> dict:
-    """Canned bodies keyed by (stream?, token ids?, logprobs?): vLLM 0.32's chat response shape."""
-    prompt_ids = [(i * 7919) % 50_000 for i in range(prompt_tokens)]
-    ids = [(i * 104_729) % 50_000 for i in range(completion_tokens)]
-    tokens = [f"tok{i}" for i in range(completion_tokens)]
-    content = [{"token": t, "logprob": -0.1 - (i % 17) * 0.173, "bytes": list(t.encode()), "top_logprobs": []}
-               for i, t in enumerate(tokens)]
-    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-             "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None}
-    head = {"id": "chatcmpl-bench", "created": 1_796_000_000, "model": MODEL}
-    bodies = {}
-    for with_ids in (False, True):
-        for with_lp in (False, True):
-            full = {**head, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": "".join(tokens), "refusal": None,
-                                        "annotations": None, "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": {"content": content} if with_lp else None, "finish_reason": "length",
-                "stop_reason": None, "token_ids": ids if with_ids else None, "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": "vllm-0.32.0", "usage": usage, "prompt_logprobs": None,
-                "prompt_token_ids": prompt_ids if with_ids else None, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
-            bodies[(False, with_ids, with_lp)] = json.dumps(full).encode()
-            chunks = [{**head, "object": "chat.completion.chunk", "choices": [{
-                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                "prompt_token_ids": prompt_ids if with_ids else None, "prompt_text": None}]
-            for i, t in enumerate(tokens):
-                last = i == len(tokens) - 1
-                chunks.append({**head, "object": "chat.completion.chunk", "choices": [{
-                    "index": 0, "delta": {"content": t}, "logprobs": {"content": [content[i]]} if with_lp else None,
-                    "finish_reason": "length" if last else None, "stop_reason": None,
-                    "token_ids": [ids[i]] if with_ids else None}], "system_fingerprint": "vllm-0.32.0"})
-            bodies[(True, with_ids, with_lp)] = b"".join(
-                b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-    return bodies
+MODEL = capture_stub.MODEL
 
 
-def serve(port: int, prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> None:
-    bodies = _response_bodies(prompt_tokens, completion_tokens)
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
-
-        def log_message(self, *args):
-            pass
-
-        def do_POST(self):
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            stream = bool(request.get("stream"))
-            with_ids = ids_for_all or bool(request.get("return_token_ids"))
-            body = bodies[(stream, with_ids, bool(request.get("logprobs")))]
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-
+# --- the stub server (bench/capture_stub.py, its own process) ---------------------------------
 
 def _start_stub(prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> tuple[subprocess.Popen, str]:
     import socket
@@ -129,8 +75,8 @@ def _start_stub(prompt_tokens: int, completion_tokens: int, ids_for_all: bool = 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = ["--ids-for-all"] if ids_for_all else []
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--prompt-tokens", str(prompt_tokens),
-                             "--completion-tokens", str(completion_tokens), *flags])
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("capture_stub.py")), str(port),
+                             "--prompt-tokens", str(prompt_tokens), "--completion-tokens", str(completion_tokens), *flags])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -162,7 +108,8 @@ def _tracing():
             self.bytes += len(encode_spans(spans).SerializeToString())
             self.spans += len(spans)
             for span in spans:
-                ok = span.attributes.get("lightspan.capture.status") == "ok"
+                # (a streamed Responses call of the real vLLM keeps its ids, not every logprob: no_logprobs)
+                ok = span.attributes.get("lightspan.capture.status") in ("ok", "no_logprobs")
                 self.captured += ok
                 self.sample.setdefault(ok, span)
             return SpanExportResult.SUCCESS
@@ -180,16 +127,42 @@ def _tracing():
     return provider, exporter
 
 
-def _call(client, prompt: str, max_tokens: int, stream: bool, model: str = MODEL, extra_body=None) -> None:
+def _call(client, prompt: str, max_tokens: int, stream: bool, model: str = MODEL, extra_body=None,
+          api: str = "chat") -> None:
+    """One call of ``api`` (chat completions, the Responses API, Anthropic Messages), read to its end."""
     messages = [{"role": "user", "content": prompt}]
-    kw = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.7}
+    if api == "responses":
+        kw = {"model": model, "input": prompt, "max_output_tokens": max_tokens, "temperature": 0.7}
+        create = client.responses.create
+    elif api == "messages":   # (anthropic 2.x takes the temperature as an extra field)
+        kw = {"model": model, "messages": messages, "max_tokens": max_tokens}
+        extra_body = {"temperature": 0.7, **(extra_body or {})}
+        create = client.messages.create
+    else:
+        kw = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.7}
+        create = client.chat.completions.create
     if extra_body:
         kw["extra_body"] = extra_body
     if stream:
-        for _ in client.chat.completions.create(**kw, stream=True):
+        for _ in create(**kw, stream=True):
             pass
     else:
-        client.chat.completions.create(**kw)
+        create(**kw)
+
+
+APIS = ("chat", "responses", "messages")
+"""The protocols timed: openai chat completions and Responses, anthropic Messages."""
+
+
+def _clients(url: str) -> dict:
+    """An openai and an anthropic client of ``url`` (``…/v1``), their resources built now."""
+    import anthropic
+    from openai import OpenAI
+
+    openai_client = OpenAI(base_url=url, api_key="bench", max_retries=0)
+    anthropic_client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="bench", max_retries=0)
+    openai_client.chat.completions, openai_client.responses, anthropic_client.messages  # noqa: B018
+    return {"chat": openai_client, "responses": openai_client, "messages": anthropic_client}
 
 
 def _ab(clients: dict, call, calls: int, provider, exporter, warmup: int = 20) -> dict:
@@ -227,45 +200,52 @@ def _vllm_target(args) -> dict:
     return {"url": f"{args.vllm_url}/v1", "model": model["id"], "prompt": prompt}
 
 
-def measure(args) -> dict:
-    from openai import OpenAI
+def _mode(api: str, stream: bool) -> str:
+    """A result's name: ``chat`` / ``stream`` as before, ``responses`` / ``responses_stream``, …"""
+    return ("stream" if stream else "chat") if api == "chat" else api + ("_stream" if stream else "")
 
+
+def measure(args) -> dict:
+    """The A/B of every protocol and mode: against the stub, then (``--vllm-url``) the real vLLM. The
+    clients made before the instrumentor keep the unwrapped ``post`` (the baseline); the anthropic
+    baseline calls vLLM's ``/v1/messages``, the captured client its chat completions, converted."""
     from lightspan.tracing.instrumentor import LightspanInstrumentor
 
     provider, exporter = _tracing()
     stub, url = _start_stub(args.prompt_tokens, args.completion_tokens, args.ids_for_all)
     prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
     vllm = _vllm_target(args) if args.vllm_url else None
-    baselines = {"stub": OpenAI(base_url=url, api_key="bench", max_retries=0)}
-    if vllm:
-        baselines["vllm"] = OpenAI(base_url=vllm["url"], api_key="bench", max_retries=0)
-    for client in baselines.values():
-        client.chat.completions  # noqa: B018 (builds the resource now, with the post lightspan will not wrap)
+    baselines = {"stub": _clients(url), **({"vllm": _clients(vllm["url"])} if vllm else {})}
     LightspanInstrumentor().instrument(tracer_provider=provider)
     results = {}
+    apis = [a for a in APIS if a in args.apis.split(",")]
     try:
-        clients = {"without": baselines["stub"], "with": OpenAI(base_url=url, api_key="bench", max_retries=0)}
-        for stream in (False, True):
-            results["stream" if stream else "chat"] = _ab(
-                clients, lambda c, stream=stream: _call(c, prompt, args.completion_tokens, stream),
-                args.calls, provider, exporter)
+        captured = _clients(url)
+        for api in apis:
+            for stream in (False, True):
+                results[_mode(api, stream)] = _ab(
+                    {"without": baselines["stub"][api], "with": captured[api]},
+                    lambda c, stream=stream, api=api: _call(c, prompt, args.completion_tokens, stream, api=api),
+                    args.calls, provider, exporter)
     finally:
         stub.kill()
         stub.wait()
     results["export_encoding_us"] = _encoding_cost(exporter)
     results["idle_us"] = idle_costs()
     if vllm:
-        clients = {"without": baselines["vllm"], "with": OpenAI(base_url=vllm["url"], api_key="bench", max_retries=0)}
-        first = clients["with"].chat.completions.create(
+        captured = _clients(vllm["url"])
+        first = captured["chat"].chat.completions.create(
             model=vllm["model"], messages=[{"role": "user", "content": vllm["prompt"]}],
             max_tokens=args.completion_tokens, extra_body={"ignore_eos": True})
         usage = first.usage
         results["vllm"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
-        for stream in (False, True):
-            results["vllm"]["stream" if stream else "chat"] = _ab(
-                clients, lambda c, stream=stream: _call(c, vllm["prompt"], args.completion_tokens, stream,
-                                                        vllm["model"], {"ignore_eos": True}),
-                args.vllm_calls, provider, exporter, warmup=3)
+        for api in apis:
+            for stream in (False, True):
+                results["vllm"][_mode(api, stream)] = _ab(
+                    {"without": baselines["vllm"][api], "with": captured[api]},
+                    lambda c, stream=stream, api=api: _call(c, vllm["prompt"], args.completion_tokens, stream,
+                                                            vllm["model"], {"ignore_eos": True}, api),
+                    args.vllm_calls, provider, exporter, warmup=3)
     return results
 
 
@@ -302,7 +282,9 @@ def breakdown(args) -> dict:
     from lightspan.tracing.capture import Capture, loads
     from lightspan.tracing.sse import SSEParser
 
-    bodies = _response_bodies(args.prompt_tokens, args.completion_tokens)
+    canned = capture_stub.bodies(args.prompt_tokens, args.completion_tokens)
+    bodies = {(stream, ids, lp): canned[("chat", stream, ids, lp, False)]
+              for stream in (False, True) for ids in (False, True) for lp in (False, True)}
     tracer = TracerProvider().get_tracer("bench")
 
     def us(fn, n):
@@ -358,7 +340,8 @@ def idle_costs() -> dict:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    from lightspan.tracing.instrumentor import _JSON_HOOKS, _NESTING
+    from lightspan.tracing.hooks import _JSON_HOOKS
+    from lightspan.tracing.spans import NESTING
 
     hooks = {cls: (hook, original) for cls, hook, original in _JSON_HOOKS}
     assert httpx2.Response in hooks, "lightspan's hook is not installed"
@@ -376,7 +359,7 @@ def idle_costs() -> dict:
     finally:
         httpx2.Response.json = hook
     with trace.use_span(parent):  # under a recording span, as in a rollout: the processor's longer path
-        on_start = us(lambda: _NESTING.on_start(span)) - us(lambda: None)
+        on_start = us(lambda: NESTING.on_start(span)) - us(lambda: None)
     return {"response_us": us(lambda: response.json()) - plain, "span_on_start_us": on_start}
 
 
@@ -399,17 +382,15 @@ def main() -> None:
     p.add_argument("--ids-for-all", action="store_true",
                    help="the stub sends token ids to the baseline client too (as if it had asked): the overhead "
                         "left is lightspan's code and the logprobs it asks for, not the ids' bytes")
-    p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # the stub server's own process
+    p.add_argument("--apis", default=",".join(APIS), help="protocols to time, comma-separated: " + ", ".join(APIS))
     args = p.parse_args()
-    if args.serve:
-        serve(args.serve, args.prompt_tokens, args.completion_tokens, args.ids_for_all)
-        return
     results = {"load_before": os.getloadavg()[0]}
     results.update(measure(args))
     results["breakdown"] = breakdown(args)
     results["load_after"] = os.getloadavg()[0]
-    for mode in ("chat", "stream"):
-        print(f"{mode:6s}  {_ab_line(results[mode])}")
+    modes = [m for m in results if isinstance(results[m], dict) and "overhead_cpu_ms" in results[m]]
+    for mode in modes:
+        print(f"{mode:16s}  {_ab_line(results[mode])}")
     e = results["export_encoding_us"]
     print(f"OTLP encoding of the call's span in the exporter thread: {e['without_us']:.0f} µs ({e['without_bytes']} B)"
           f" without, {e['with_us']:.0f} µs ({e['with_bytes']} B) with lightspan's attributes")
@@ -427,8 +408,8 @@ def main() -> None:
     if "vllm" in results:
         v = results["vllm"]
         print(f"real vLLM calls ({v['prompt_tokens']} prompt + {v['completion_tokens']} completion tokens):")
-        for mode in ("chat", "stream"):
-            print(f"  {mode:6s}  {_ab_line(v[mode])}")
+        for mode in modes:
+            print(f"  {mode:16s}  {_ab_line(v[mode])}")
     print(json.dumps(results))
 
 

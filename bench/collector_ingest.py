@@ -3,6 +3,12 @@
 Usage (from the repository root; < 60 s with the defaults)::
 
     .venv/bin/python bench/collector_ingest.py [--seconds 8] [--senders 4] [--batch 512]
+    .venv/bin/python bench/collector_ingest.py --transport http --compare-tree /work/main --targets lightspan,tree
+
+``--transport http`` sends the same requests as OTLP/HTTP protobuf (a ``requests.Session`` per
+sender, keep-alive; a 503/429 is retried after its ``Retry-After``). ``--compare-tree DIR`` adds the
+target ``tree``: the same collector imported from another checkout of lightspan (e.g. the main
+branch), run side by side in the same invocation, to compare two versions of the server.
 
 Load: pre-serialized OTLP ``ExportTraceServiceRequest``s of ``--batch`` GenAI spans each (the
 attributes traceloop's OpenAI instrumentation writes, JSON messages, plus lightspan's token ids
@@ -99,8 +105,24 @@ def genai_request(batch: int, rng: random.Random, mark: bytes | None = None) -> 
     return request.SerializeToString()
 
 
+def _http_export(session, url: str):
+    """An OTLP/HTTP export function with the gRPC stub's shape: raises _Refused(delay) on 503/429."""
+    def export(payload: bytes, timeout: float) -> None:
+        answer = session.post(url, data=payload, timeout=timeout, headers={"Content-Type": "application/x-protobuf"})
+        if answer.status_code in (429, 503):
+            raise _Refused(float(answer.headers.get("Retry-After", 1)), True)
+        if answer.status_code != 200:
+            raise _Refused(1.0, False)
+    return export
+
+
+class _Refused(Exception):
+    def __init__(self, delay: float, retryable: bool):
+        self.delay, self.retryable = delay, retryable
+
+
 def send(port: int, payloads: list[tuple[bytes, bytes]], batch: int, senders: int, warmup_s: float,
-         seconds: float) -> dict:
+         seconds: float, transport: str = "grpc") -> dict:
     """``senders`` threads export round-robin for warmup + seconds; counts only the measured window.
     ``payloads``: (request, its mark); every request sent gets fresh ids (a new mark)."""
     start = time.monotonic()
@@ -110,9 +132,14 @@ def send(port: int, payloads: list[tuple[bytes, bytes]], batch: int, senders: in
     def sender(k: int) -> None:
         out = results[k]
         # a channel of its own (its own TCP connection), like separate agent processes
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS + [
-            ("grpc.use_local_subchannel_pool", 1)])
-        export = channel.unary_unary(EXPORT_METHOD)
+        if transport == "http":
+            import requests
+            channel = requests.Session()
+            export = _http_export(channel, f"http://127.0.0.1:{port}/v1/traces")
+        else:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS + [
+                ("grpc.use_local_subchannel_pool", 1)])
+            export = channel.unary_unary(EXPORT_METHOD)
         i = k
         while True:
             t0 = time.monotonic()
@@ -123,6 +150,11 @@ def send(port: int, payloads: list[tuple[bytes, bytes]], batch: int, senders: in
             i += 1
             try:
                 export(payload, timeout=30)
+            except _Refused as refusal:
+                if window[0] <= t0:
+                    out["refused" if refusal.retryable else "errors"] += 1
+                time.sleep(min(refusal.delay, max(0.0, window[1] - time.monotonic())))
+                continue
             except grpc.RpcError as error:
                 if window[0] <= t0:
                     out["refused" if error.code() == grpc.StatusCode.UNAVAILABLE else "errors"] += 1
@@ -183,7 +215,37 @@ def _baseline(conn) -> None:
     conn.send({"spans_received": received[0]})
 
 
-def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
+def _use_tree(tree: str) -> None:
+    """Import ``lightspan`` from the checkout ``tree`` in this process, with the distribution's
+    package-dir mapping (``lightspan.collector`` is ``tree/collector``, ``lightspan.config`` is
+    ``tree/lightspan/config.py``), ahead of the installed (editable) one."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+
+    root = Path(tree).resolve()
+    parts = {"store", "collector", "tracing", "rollout", "lightningrl", "trainer", "dashboards"}
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lightspan":
+                return importlib.machinery.PathFinder.find_spec(name, [str(root)])
+            if not name.startswith("lightspan."):
+                return None
+            pieces = name.split(".")
+            if len(pieces) == 2 and pieces[1] in parts:
+                folder = root / pieces[1]
+                return importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                              submodule_search_locations=[str(folder)])
+            parent = sys.modules[name.rsplit(".", 1)[0]]
+            return importlib.machinery.PathFinder.find_spec(name, list(parent.__path__))
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None, transport: str = "grpc") -> None:
+    if tree:
+        _use_tree(tree)
     from lightspan import store
     from lightspan.collector.config import CollectorConfig
     from lightspan.collector.server import Collector
@@ -193,7 +255,10 @@ def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
         WAL._fsync = lambda self, fd: None           # this process only: measures what durability costs
 
     collector = Collector(CollectorConfig(data_dir=data_dir, grpc_port=0, http_port=0, api_port=0)).start()
-    conn.send(collector.grpc_port)
+    if tree:
+        import lightspan.collector.server as module
+        assert str(Path(module.__file__).resolve()).startswith(str(Path(tree).resolve())), module.__file__
+    conn.send(collector.http_port if transport == "http" else collector.grpc_port)
     conn.recv()
     start = time.monotonic()
     collector.stop()                                 # the final flush: everything acknowledged → Parquet
@@ -204,22 +269,41 @@ def _lightspan(conn, data_dir: str, fsync: bool = True) -> None:
     rows = con.execute(f"SELECT count(*) FROM read_parquet({files})").fetchone()[0] if files else 0
     con.close()
     conn.send({"spans_accepted": snap["spans_accepted_total"], "spans_in_parquet": rows,
-               "fsyncs": collector._wal.fsync_count, "stop_s": stop_s,
+               "fsyncs": snap_fsyncs(collector), "stop_s": stop_s,
                "refused": snap["requests_refused_total"]})
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose spans/s is the median (the lower middle one of an even count), with every
+    run's spans/s beside it."""
+    ordered = sorted(runs, key=lambda r: r["spans_per_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["runs_spans_per_s"] = [round(r["spans_per_s"]) for r in runs]
+    return median
+
+
+def snap_fsyncs(collector) -> int:
+    return collector.health().get("fsync_seconds_count", 0)
 
 
 def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     with tempfile.TemporaryDirectory(prefix="lightspan-bench-", dir=args.data_dir) as data_dir:
-        target = (_baseline, (child,)) if name == "baseline" else (_lightspan, (child, data_dir, name == "lightspan"))
+        if name == "baseline":
+            if args.transport != "grpc":
+                raise SystemExit("the baseline receiver speaks gRPC only: leave it out of --targets with --transport http")
+            target = (_baseline, (child,))
+        else:
+            tree = args.compare_tree if name == "tree" else None
+            target = (_lightspan, (child, data_dir, name != "lightspan-nofsync", tree, args.transport))
         process = ctx.Process(target=target[0], args=target[1], daemon=True)
         process.start()
         try:
             if not parent.poll(60):
                 raise RuntimeError(f"{name} did not start")
             port = parent.recv()
-            result = send(port, payloads, args.batch, args.senders, args.warmup, args.seconds)
+            result = send(port, payloads, args.batch, args.senders, args.warmup, args.seconds, args.transport)
             parent.send("stop")
             if not parent.poll(120):
                 raise RuntimeError(f"{name} did not stop")
@@ -239,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512, help="spans per export request")
     parser.add_argument("--payloads", type=int, default=6, help="distinct pre-built requests, sent round-robin")
     parser.add_argument("--targets", default="baseline,lightspan,lightspan-nofsync",
-                        help="comma-separated, from baseline, lightspan, lightspan-nofsync (baseline and lightspan needed)")
+                        help="comma-separated, from baseline, lightspan, lightspan-nofsync, tree (lightspan needed)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per target, alternating their order; the median run is reported")
+    parser.add_argument("--transport", default="grpc", choices=["grpc", "http"], help="OTLP/gRPC or OTLP/HTTP protobuf")
+    parser.add_argument("--compare-tree", default=None,
+                        help="another checkout of lightspan: the target `tree` runs its collector")
     parser.add_argument("--data-dir", default=None,
                         help="where the collector's WAL and Parquet go (a temporary directory inside it; default: "
                              "the system's temp dir). Put it on the disk you mean to deploy on: fsync cost varies")
@@ -256,26 +345,43 @@ def main(argv: list[str] | None = None) -> int:
         payloads.append((payload, mark))
     span_bytes = sum(len(p) for p, _ in payloads) / (len(payloads) * args.batch)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync"}
-    if unknown or not {"baseline", "lightspan"} <= set(targets):
-        parser.error(f"--targets: need baseline and lightspan, may add lightspan-nofsync; got {targets}")
-    results = {name: run_target(name, args, payloads) for name in targets}
-    ratio = results["lightspan"]["spans_per_s"] / results["baseline"]["spans_per_s"]
+    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync", "tree"}
+    if unknown or "lightspan" not in targets or ("tree" in targets) != bool(args.compare_tree):
+        parser.error(f"--targets: need lightspan, may add baseline, lightspan-nofsync, and tree with --compare-tree; "
+                     f"got {targets}")
+    runs: dict[str, list[dict]] = {name: [] for name in targets}
+    for r in range(args.repeat):   # alternating order, so neither target always runs on a warmer machine
+        for name in (targets if r % 2 == 0 else targets[::-1]):
+            runs[name].append(run_target(name, args, payloads))
+    results = {name: _median_run(rs) for name, rs in runs.items()}
+    reference = "baseline" if "baseline" in results else "tree" if "tree" in results else "lightspan"
+    ratio = results["lightspan"]["spans_per_s"] / results[reference]["spans_per_s"]
     server = results["lightspan"]["server"]
     complete = server["spans_in_parquet"] >= server["spans_accepted"]
+    for name, r in results.items():
+        server_side = r["server"]
+        if "spans_in_parquet" in server_side and server_side["spans_in_parquet"] < server_side["spans_accepted"]:
+            complete = False
     if args.json:
         print(json.dumps({"args": vars(args), "span_bytes": span_bytes, "results": results, "ratio": ratio}))
     else:
-        print(f"{args.senders} senders x {args.batch}-span GenAI batches ({span_bytes / 1000:.2f} KB/span, "
+        print(f"{args.transport}: {args.repeat} run(s) per target, median shown; {args.senders} senders x {args.batch}-span GenAI batches ({span_bytes / 1000:.2f} KB/span, "
               f"{len(payloads[0][0]) / 1e6:.2f} MB/request), {args.seconds:g} s measured after {args.warmup:g} s, "
               f"{os.cpu_count()} CPUs")
         print(f"{'target':<18} {'spans/s':>9} {'MB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'refused':>8} {'errors':>7}")
         for name, r in results.items():
             print(f"{name:<18} {r['spans_per_s']:>9.0f} {r['mb_per_s']:>7.1f} {r['p50_ms']:>8.1f} "
                   f"{r['p99_ms']:>8.1f} {r['refused']:>8} {r['errors']:>7}")
+        if args.repeat > 1:
+            for name, r in results.items():
+                print(f"{name}: spans/s of each run {r['runs_spans_per_s']}")
+            if reference != "lightspan":
+                pairs = [a / b for a, b in zip(results["lightspan"]["runs_spans_per_s"],
+                                               results[reference]["runs_spans_per_s"])]
+                print(f"median of the paired ratios lightspan / {reference}: {statistics.median(pairs):.3f}")
         for name in results:
-            if name != "baseline":
-                print(f"{name} / baseline = {results[name]['spans_per_s'] / results['baseline']['spans_per_s']:.3f}")
+            if name != reference:
+                print(f"{name} / {reference} = {results[name]['spans_per_s'] / results[reference]['spans_per_s']:.3f}")
         if "lightspan-nofsync" in results:
             print(f"lightspan / lightspan-nofsync = "
                   f"{results['lightspan']['spans_per_s'] / results['lightspan-nofsync']['spans_per_s']:.2f}")

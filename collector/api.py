@@ -5,10 +5,12 @@ one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``ligh
 ``lightspan.reward.name``) in an ordinary ``ExportTraceServiceRequest`` that goes through the
 collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the
 200, and it shows in the ``rewards`` and ``rollouts`` views like a reward span an agent sent.
-Its trace and span ids are a hash of (rollout_id, name, id): posting the same reward again
-sends a span with the same ids, which the collector's writer does not store twice (the first one
-received wins; collector/dedup.py). Without ``id``, a rollout has one reward per name; give ``id`` to record
-several.
+Its trace and span ids are a hash of (rollout_id, name, id), the reward's key. **A stored
+reward is never changed** (it may have been trained on already): posting the same key again with
+the same value is idempotent (200, the reward reported ``already_stored``, nothing written twice,
+however long after and across restarts), and with another value the request is refused with 409
+Conflict, naming the stored value, and nothing of it is stored (:class:`RewardBook`). Without
+``id``, a rollout has one reward per name; give ``id`` to record several, or a correction.
 
 ``POST /v1/rollouts/{rollout_id}/events`` — Agent Lightning's events (``AGL_EVENT_URL``, which
 ``lightspan rollout`` sets): a reward event ``{"event_type": "reward", "data": {"value": v}}``
@@ -21,21 +23,27 @@ EXPLAIN) statement, on a fresh in-memory DuckDB connection from :func:`store.con
 external access is switched off once the views exist (only the data directory's tables stay
 readable; ``read_csv``, ``COPY``, ``ATTACH``, ``INSTALL`` of anything else are refused) and
 whose configuration is then locked. A timer thread interrupts the query after ``timeout_s``;
-at most ``max_rows`` rows come back (``truncated`` says there were more).
+at most ``max_rows`` rows and ``max_bytes`` bytes of them (as JSON) come back (``truncated`` says
+there were more). DuckDB's own memory is capped by ``memory_limit``; the collector runs these
+queries in worker processes whose whole memory is capped too (:mod:`lightspan.collector.sqlpool`):
+DuckDB builds each block of rows (2,048 at a time) outside its memory limit.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import datetime as dt
 import decimal
 import hashlib
+import json
 import math
 import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -186,16 +194,104 @@ def event_reward(rollout_id: str, doc, received_unix_nano: int) -> dict | None:
     return reward
 
 
+class Conflict(ValueError):
+    """A reward with the same key and another value is stored already (HTTP 409)."""
+
+    def __init__(self, message: str, conflicts: list[dict]):
+        super().__init__(message)
+        self.conflicts = conflicts
+
+
+def _key(reward: dict) -> tuple[str, str]:
+    return reward["trace_id"], reward["span_id"]
+
+
+def stored_rewards(data_dir: str | Path, keys: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """The values of the posted rewards among ``keys`` ((trace_id, span_id) hex) already in the store."""
+    if not keys:
+        return {}
+
+    def query():
+        con = store.connect(data_dir)
+        try:
+            return con.execute(
+                "SELECT trace_id, span_id, reward FROM spans WHERE scope_name = $scope AND name = $name "
+                "AND trace_id IN (SELECT unnest($traces::VARCHAR[]))",
+                {"scope": REWARD_SCOPE, "name": sc.SPAN_REWARD, "traces": sorted({t for t, _ in keys})}).fetchall()
+        finally:
+            con.close()
+
+    wanted = set(keys)
+    return {(t, s): v for t, s, v in store.retry_vanished(query) if (t, s) in wanted}
+
+
+class RewardBook:
+    """The re-post rule of ``POST /v1/rewards`` (see the module docstring), across restarts: a key
+    is looked up among the rewards this process accepted (at most ``max_keys``, the oldest
+    forgotten first, long since in Parquet) and then in the store, which a restart's WAL replay has
+    completed before the API serves. One post at a time, so two posts of a key cannot race."""
+
+    def __init__(self, data_dir: str | Path, max_keys: int):
+        self.data_dir = data_dir
+        self.max_keys = max_keys
+        self._accepted: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def post(self, request: ExportTraceServiceRequest, recorded: list[dict], export: Callable):
+        """Store the rewards of ``request`` that are new, through ``export(request)``; returns its
+        result (None when every reward was stored already). Raises :class:`Conflict`."""
+        with self._lock:
+            values: dict[tuple[str, str], float] = {}
+            for reward in recorded:                       # the same key twice in one post must agree
+                if values.setdefault(_key(reward), reward["value"]) != reward["value"]:
+                    raise Conflict(f"reward {reward['name']!r} of rollout {reward['rollout_id']!r} (id "
+                                   f"{reward['id']!r}) is given twice with different values",
+                                   [{**reward, "stored_value": values[_key(reward)]}])
+            known = {k: self._accepted[k] for k in values if k in self._accepted}
+            known.update(stored_rewards(self.data_dir, [k for k in values if k not in known]))
+            conflicts = [{**r, "stored_value": known[_key(r)]} for r in recorded
+                         if _key(r) in known and known[_key(r)] != r["value"]]
+            if conflicts:
+                first = conflicts[0]
+                raise Conflict(f"{len(conflicts)} reward(s) already stored with another value; first: "
+                               f"{first['name']!r} of rollout {first['rollout_id']!r} (id {first['id']!r}) is "
+                               f"{first['stored_value']!r}, not {first['value']!r}. A stored reward is never "
+                               "changed: post a correction under a new 'id'", conflicts)
+            for reward in recorded:
+                reward["status"] = "already_stored" if _key(reward) in known else "stored"
+            fresh = {k for k in values if k not in known}
+            if not fresh:
+                return None
+            scope = request.resource_spans[0].scope_spans[0]
+            kept = [span for span in scope.spans if (span.trace_id.hex(), span.span_id.hex()) in fresh]
+            del scope.spans[:]
+            scope.spans.extend(kept)
+            result = export(request)
+            if result.outcome.value == "ok" and not result.rejected:
+                for key in fresh:
+                    self._accepted[key] = values[key]
+                while len(self._accepted) > self.max_keys:
+                    self._accepted.popitem(last=False)
+            return result
+
+
 # --- SQL -------------------------------------------------------------------------------------
 
 _READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 
-def sql_connection(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
-    """A connection with the store's views whose external access is off and locked."""
+SQL_THREADS = 2
+SQL_MEMORY_LIMIT = 512 << 20
+
+
+def sql_connection(data_dir: str | Path, memory_limit: int = SQL_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
+    """A connection with the store's views whose external access is off and locked, with
+    ``memory_limit`` bytes for DuckDB's buffers and no spilling to disk."""
     root = Path(data_dir).resolve()
     con = store.connect(root)          # the views read the data directory's Parquet files...
     try:
+        con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
+        con.execute(f"SET threads = {SQL_THREADS}")
         allowed = ", ".join(store.quote(str(root / table) + "/") for table in store.TABLES)
         con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
         con.execute("SET enable_external_access = false")
@@ -245,14 +341,15 @@ def time_limit(con: duckdb.DuckDBPyConnection, timeout_s: float, *, start: bool 
         deadline.cancel()
 
 
-def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int) -> dict:
+def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int, max_bytes: int = 16 << 20,
+            memory_limit: int = SQL_MEMORY_LIMIT) -> dict:
     """Run one read-only statement; returns ``{"columns", "types", "rows", "row_count",
     "truncated", "elapsed_s"}``. Raises :class:`BadRequest` with DuckDB's message on any error."""
     if not isinstance(sql, str) or not sql.strip():
         raise BadRequest('no SQL: send {"sql": "SELECT ..."} or GET /v1/sql?q=SELECT+...')
     start = time.perf_counter()
     try:
-        con = sql_connection(data_dir)
+        con = sql_connection(data_dir, memory_limit)
     except duckdb.Error as exc:
         raise BadRequest(f"cannot open the store: {exc}") from None
     try:
@@ -267,17 +364,36 @@ def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int) 
             cursor = con.execute(sql)
             columns = [d[0] for d in cursor.description or []]
             types = [str(d[1]) for d in cursor.description or []]
-            rows = cursor.fetchmany(max_rows + 1)   # one more than allowed tells us it was truncated
+            rows, truncated = _fetch(cursor, max_rows, max_bytes)
+    except duckdb.OutOfMemoryException as exc:
+        raise BadRequest(f"the query needs more than sql_memory_limit_bytes={memory_limit}: {exc}") from None
     except duckdb.Error as exc:
         if timed_out.is_set():
             raise BadRequest(f"the query ran past sql_timeout_s={timeout_s:g} s and was interrupted") from None
         raise BadRequest(f"{type(exc).__name__}: {exc}") from None
     finally:
         con.close()
-    truncated = len(rows) > max_rows
-    rows = rows[:max_rows]
-    return {"columns": columns, "types": types, "rows": [[jsonable(v) for v in row] for row in rows],
-            "row_count": len(rows), "truncated": truncated, "elapsed_s": round(time.perf_counter() - start, 6)}
+    return {"columns": columns, "types": types, "rows": rows, "row_count": len(rows), "truncated": truncated,
+            "elapsed_s": round(time.perf_counter() - start, 6)}
+
+
+def _fetch(cursor, max_rows: int, max_bytes: int) -> tuple[list[list], bool]:
+    """At most ``max_rows`` rows whose JSON takes at most ``max_bytes``; and whether there were more.
+    Rows are converted a few at a time, as many as the bytes left suggest, so one answer never
+    holds much more than ``max_bytes`` of Python objects."""
+    rows, size, batch = [], 2, 1
+    while True:
+        chunk = cursor.fetchmany(batch)
+        if not chunk:
+            return rows, False
+        for row in chunk:
+            out = [jsonable(v) for v in row]
+            size += len(json.dumps(out, allow_nan=False)) + 1
+            if len(rows) == max_rows or size > max_bytes:
+                return rows, True
+            rows.append(out)
+        per_row = max(1, size // len(rows))
+        batch = max(1, min(1024, (max_bytes - size) // per_row // 2))
 
 
 def jsonable(value):

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from lightspan.collector.jsonlog import FORMATS
-from lightspan.config import ConfigError, option
+from lightspan.config import ConfigError, is_loopback, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "collector"
@@ -27,7 +27,8 @@ class CollectorConfig:
         env=DATA_DIR_ENV)
     host: str = option(
         "127.0.0.1",
-        "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network.")
+        "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network (then auth_token is "
+        "required, unless allow_no_token).")
     grpc_port: int = option(4317, "OTLP/gRPC port (the OTLP default is 4317; 0 = any free port).")
     http_port: int = option(4318, "OTLP/HTTP port, protobuf and JSON (the OTLP default is 4318; 0 = any free port).")
     api_port: int = option(
@@ -54,7 +55,7 @@ class CollectorConfig:
     auth_token: str = option(
         "",
         "Bearer token required on ingest (gRPC metadata and HTTP header `authorization: Bearer "
-        "<token>`) and on the API, /healthz excepted; empty = no authentication. Agents send it "
+        "<token>`) and on the API, /healthz excepted; empty = no authentication (loopback only, unless allow_no_token). Agents send it "
         "with OTEL_EXPORTER_OTLP_HEADERS (authorization=Bearer <token>, the space URL-encoded). "
         "Without TLS it crosses the network in clear text; prefer the environment variable to "
         "--auth-token, which shows in the process list.")
@@ -63,10 +64,42 @@ class CollectorConfig:
         "PEM certificate (chain) served on the gRPC, HTTP and API ports; set with tls_key_file. "
         "Empty = plain text.")
     tls_key_file: str = option("", "PEM private key of tls_cert_file.")
+    allow_no_token: bool = option(
+        False,
+        "Let the collector bind a non-loopback host without auth_token: anyone who reaches its ports can then "
+        "write spans and rewards and read every span over SQL. Without it such a start fails.")
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        "Host names the HTTP ports and the API answer to besides IP addresses and localhost, comma-separated "
+        "(e.g. the service's DNS name): a request naming another host is refused with 403, so a web page that "
+        "rebinds its own name to this machine cannot use the API. \"*\" answers any name.")
+    max_connections: int = option(
+        256,
+        "Open connections per HTTP port; past it a new connection is answered 503 + Retry-After and closed.")
+    max_inflight_bytes: int = option(
+        256 * MiB,
+        "Request bytes held at once by the receivers and the API (both HTTP ports and gRPC together, while "
+        "they are read and handled); past it requests are refused with 503 + Retry-After (gRPC UNAVAILABLE).")
+    read_timeout_s: float = option(
+        30.0,
+        "Time a request's head and body have to arrive on the HTTP ports, from its first byte; past it the "
+        "request is answered 408 and its connection closed (a client that stalls holds nothing for long).")
+    max_json_bytes: int = option(
+        8 * MiB,
+        "Largest OTLP/JSON body (after gunzip) and API JSON body; larger ones get 413. Decoding JSON holds "
+        "several times its size in memory, and OTLP/JSON bodies are decoded one at a time.")
     sql_timeout_s: float = option(
         10.0, "Time limit of one query on the API's read-only SQL endpoint (/v1/sql); past it the query is interrupted.")
     sql_max_rows: int = option(
         10_000, "Most rows one /v1/sql answer returns; the answer says `truncated: true` when there were more.")
+    sql_max_result_bytes: int = option(
+        16 * MiB, "Most bytes of rows (as JSON) one /v1/sql answer returns; past it, `truncated: true` too.")
+    sql_memory_limit_bytes: int = option(
+        512 * MiB,
+        "Memory one /v1/sql query may use. Queries run in worker processes capped at this much (DuckDB's "
+        "memory_limit and the process's address space), so a query that needs more fails alone.")
+    sql_max_concurrent: int = option(
+        2, "Queries run at once (/v1/sql and the web UI's); more wait briefly, then get 429 + Retry-After.")
     compact_min_files: int = option(
         16,
         "Compact a date partition (merge its small Parquet files into one, sorted by rollout and time) "
@@ -119,7 +152,13 @@ class CollectorConfig:
                 or not math.isfinite(self.flush_interval_s) or self.flush_interval_s <= 0):
             fail("flush_interval_s", f"{self.flush_interval_s!r} is not a positive number of seconds",
                  "use a value such as 1.0")
-        for name in ("max_queue_bytes", "grpc_max_receive_bytes", "max_http_body_bytes"):
+        if not is_loopback(self.host) and not self.auth_token and not self.allow_no_token:
+            fail("auth_token", f"host {self.host!r} exposes the receivers and the API (SQL over every span, "
+                 "rewards) beyond this machine without a token",
+                 "set collector.auth_token (LIGHTSPAN_COLLECTOR_AUTH_TOKEN), bind 127.0.0.1, or set "
+                 "collector.allow_no_token = true to run without one on purpose")
+        for name in ("max_queue_bytes", "grpc_max_receive_bytes", "max_http_body_bytes", "max_inflight_bytes",
+                     "max_json_bytes", "sql_max_result_bytes", "sql_memory_limit_bytes"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 fail(name, f"{value!r} is not a positive number of bytes", f"use e.g. {64 * MiB} (64 MiB)")
@@ -142,6 +181,15 @@ class CollectorConfig:
         if (not isinstance(self.sql_timeout_s, (int, float)) or isinstance(self.sql_timeout_s, bool)
                 or not math.isfinite(self.sql_timeout_s) or self.sql_timeout_s <= 0):
             fail("sql_timeout_s", f"{self.sql_timeout_s!r} is not a positive number of seconds", "use e.g. 10")
+        for name in ("max_connections", "sql_max_concurrent"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(name, f"{getattr(self, name)!r} is not a whole number >= 1", "use e.g. 2")
+        if (not isinstance(self.read_timeout_s, (int, float)) or isinstance(self.read_timeout_s, bool)
+                or not math.isfinite(self.read_timeout_s) or self.read_timeout_s <= 0):
+            fail("read_timeout_s", f"{self.read_timeout_s!r} is not a positive number of seconds", "use e.g. 30")
+        if not all(isinstance(h, str) and h.strip() and not any(c.isspace() for c in h) for h in self.allowed_hosts):
+            fail("allowed_hosts", f"{self.allowed_hosts!r} holds an empty name or whitespace",
+                 "give host names separated by commas, e.g. lightspan-collector,lightspan-collector.lightspan")
         if not is_int(self.sql_max_rows) or self.sql_max_rows <= 0:
             fail("sql_max_rows", f"{self.sql_max_rows!r} is not a positive number of rows", "use e.g. 10000")
         if self.log_format not in FORMATS:

@@ -1,41 +1,43 @@
-"""The collector's HTTP transports: OTLP/HTTP (:4318) and the API (:8321).
+"""The collector's HTTP transports: OTLP/HTTP (:4318) and the API (:8321), on :mod:`lightspan.http`.
 
-Both are thin: they frame bytes, check the bearer token, and map the collector's
-:class:`~lightspan.collector.outcomes.ExportResult` to a status with ``status_for``.
+Both are thin: they frame bytes, check the bearer token and the cross-site rules, and map the
+collector's :class:`~lightspan.collector.outcomes.ExportResult` to a status with ``status_for``.
+Each request runs in its connection's thread (the connections are capped): an export's WAL
+write and fsync there (concurrent exports share an fsync), OTLP/JSON decodes one at a time
+(decoding JSON holds several times its size), SQL in worker processes
+(:mod:`lightspan.collector.sqlpool`).
 
 OTLP/HTTP: ``POST /v1/traces`` and ``POST /v1/logs``, protobuf or JSON (answered in the
 request's content type), optionally gzip/deflate; bodies are capped before and after
-decompression (413).
+decompression (413), JSON ones at ``max_json_bytes``.
 
 API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flush``,
 ``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST
 /v1/rollouts/ID/events`` (Agent Lightning's reward events), ``POST /v1/sql``
 ``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), and the GET routes the composing
 process added (:mod:`lightspan.collector.routes`: the web UI). API answers are JSON; errors are
-``{"error": message}`` with 400 for the client's mistakes and never 500 for its data.
-
-With ``tls_cert_file``/``tls_key_file`` both servers speak HTTPS; the TLS handshake runs in the
-connection's own thread, so a slow client cannot stall the accept loop.
+``{"error": message}`` with 400 for the client's mistakes and never 500 for its data. Queries
+(SQL and the web UI's) run ``sql_max_concurrent`` at a time; a few more wait for a turn, the rest
+get 429 + Retry-After.
 """
 
 from __future__ import annotations
 
-import hmac
+import contextlib
 import json
 import logging
-import socket
 import ssl
-import sys
+import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from google.protobuf import json_format
 
+from lightspan import http
 from lightspan.collector import api, routes
-from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome
+from lightspan.collector.outcomes import BY_HTTP_STATUS, CollectorError, ExportResult, Outcome
 
 if TYPE_CHECKING:
     from lightspan.collector.server import Collector
@@ -47,41 +49,11 @@ LOGS_PATH = "/v1/logs"
 _SIGNALS = {TRACES_PATH: "traces", LOGS_PATH: "logs"}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-DRAIN_LIMIT = 8 << 20         # bytes of a refused body read and thrown away before hanging up
 _API_ROUTES = ("GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, POST /v1/rollouts/ID/events, "
                "POST or GET /v1/sql")
-
-
-class HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, handler, collector: "Collector", tls: ssl.SSLContext | None = None):
-        self.collector = collector
-        self.tls = tls
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-    def finish_request(self, request, client_address) -> None:
-        if self.tls is None:
-            return super().finish_request(request, client_address)
-        request.settimeout(BaseHandler.timeout)   # the handshake runs here, in the connection's thread
-        try:
-            tls_request = self.tls.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
-            log.debug("TLS handshake with %s failed: %s", client_address, exc)
-            return
-        try:
-            super().finish_request(tls_request, client_address)
-        finally:
-            self.shutdown_request(tls_request)    # the caller closes the plain socket, now detached
-
-    def handle_error(self, request, client_address) -> None:  # the stdlib prints to stderr
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):   # the client left mid-answer
-            log.debug("%s closed the connection before the answer was written", client_address)
-            return
-        log.exception("unexpected error serving %s", client_address)
+_GET, _POST = ("/healthz", "/metrics", "/v1/sql"), ("/v1/flush", "/v1/rewards", "/v1/sql")
+_COUNTED = (403, 408, 411, 413, 415, 429, 503)
+_QUERIES_WAITING = 8          # queries that may wait for a turn beyond the ones running
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -95,307 +67,260 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     return context
 
 
-def bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def bind_error(what: str, host: str, port: int, field: str) -> str:
     return (f"cannot listen for {what} on {host}:{port}: the address is in use or not available "
             f"(another collector running?); set collector.{field} (LIGHTSPAN_COLLECTOR_{field.upper()}) "
             f"to a free port, or 0 for any")
 
 
-def listen(host: str, port: int, handler, collector: "Collector", what: str, field: str,
-           tls: ssl.SSLContext | None) -> HTTPServer:
+def _server(handler, collector: "Collector", port: int, what: str, field: str, tls) -> http.Server:
+    cfg = collector.config
+    limits = http.Limits(max_connections=cfg.max_connections, max_inflight_bytes=cfg.max_inflight_bytes,
+                         read_timeout_s=cfg.read_timeout_s, retry_after_s=cfg.retry_after_s)
+    server = http.Server(handler, cfg.host, port, limits=limits, budget=collector.budget, tls=tls,
+                         name=f"lightspan-collector-{field.removesuffix('_port')}")
     try:
-        return HTTPServer((host.strip("[]"), port), handler, collector, tls)
+        server.bind()
     except OSError as exc:
-        raise CollectorError(f"{bind_error(what, host, port, field)} ({exc.strerror or exc})") from None
+        raise CollectorError(f"{bind_error(what, cfg.host, port, field)} ({exc.strerror or exc})") from None
+    return server
 
 
-def authorized(header: str | None, token: str) -> bool:
-    """Whether an ``authorization`` value carries ``token`` (always true when no token is set)."""
-    if not token:
-        return True
-    scheme, _, value = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+def otlp_server(collector: "Collector", tls) -> http.Server:
+    return _server(OTLP(collector).handle, collector, collector.config.http_port, "OTLP/HTTP", "http_port", tls)
 
 
-class BaseHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive: the exporters reuse their connection
-    # TCP_NODELAY: the headers and the body go out in two writes; with Nagle the second waits for
-    # the client's delayed ACK (40 ms a request on Linux loopback)
-    disable_nagle_algorithm = True
-    server_version = "lightspan-collector"
-    timeout = 60                    # an idle keep-alive connection is closed after this
+def api_server(collector: "Collector", tls) -> http.Server:
+    return _server(API(collector).handle, collector, collector.config.api_port, "API", "api_port", tls)
 
-    @property
-    def collector(self) -> "Collector":
-        return self.server.collector
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
-        log.debug("%s %s", self.address_string(), format % args)
+class _Transport:
+    def __init__(self, collector: "Collector"):
+        self.collector = collector
+        self.config = collector.config
+        self.guard = http.Guard(self.config.allowed_hosts, "collector.allowed_hosts")
 
-    def send(self, code: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def send_text(self, code: int, text: str, headers: dict | None = None) -> None:
-        self.send(code, text.encode(), "text/plain; charset=utf-8", headers)
-
-    def send_json(self, code: int, doc, headers: dict | None = None) -> None:
-        self.send(code, json.dumps(doc, allow_nan=False).encode(), JSON, headers)
-
-    def not_allowed(self, allow: str) -> None:
-        self.discard_body()
-        self.send_text(405, f"method {self.command} not allowed on {self.path}; use {allow}\n", {"Allow": allow})
-
-    def check_auth(self) -> ExportResult | None:
-        """A refusal when the bearer token is required and missing or wrong (the body is dropped)."""
-        if authorized(self.headers.get("Authorization"), self.collector.config.auth_token):
+    def check_auth(self, request: http.Request) -> ExportResult | None:
+        """A refusal when the bearer token is required and missing or wrong."""
+        if http.bearer(request.headers.get("authorization"), self.config.auth_token):
             return None
-        self.discard_body()
         return self.collector.refuse(Outcome.UNAUTHENTICATED, "missing or wrong bearer token: send "
                                      "'authorization: Bearer <collector.auth_token>'")
-
-    def discard_body(self) -> None:
-        """Read and drop a body we will not use, so the client reads our answer, not a reset."""
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if length < 0 or length > DRAIN_LIMIT:
-            self.close_connection = True
-            return
-        while length > 0:
-            chunk = self.rfile.read(min(length, 1 << 16))
-            if not chunk:
-                break
-            length -= len(chunk)
-
-    def read_body(self) -> bytes | ExportResult:
-        """The request body, decompressed, within ``max_http_body_bytes``; or the refusal."""
-        collector = self.collector
-        cap = collector.config.max_http_body_bytes
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            self.close_connection = True
-            return collector.refuse(Outcome.UNSUPPORTED, "chunked bodies are not supported: send Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length") or "")
-            if length < 0:
-                raise ValueError(length)
-        except ValueError:
-            self.close_connection = True
-            return collector.refuse(Outcome.INVALID, "a valid Content-Length header is required")
-        if length > cap:
-            self.discard_body()
-            return collector.refuse(Outcome.TOO_LARGE, f"body of {length} bytes exceeds max_http_body_bytes={cap}")
-        body = self.rfile.read(length)
-        if len(body) < length:
-            self.close_connection = True
-            return collector.refuse(Outcome.INVALID, f"body ended after {len(body)} of {length} bytes")
-        content_encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        if content_encoding == "identity":
-            return body
-        wbits = {"gzip": 31, "deflate": 15}.get(content_encoding)   # 31: gzip header; 15: zlib
-        if wbits is None:
-            return collector.refuse(Outcome.UNSUPPORTED, f"content encoding {content_encoding!r}: use gzip, deflate or none")
-        return _decompress(body, wbits, cap, collector)
 
     def retry_headers(self, result: ExportResult) -> dict:
         headers = {}
         if result.status.retryable:
-            headers["Retry-After"] = str(self.collector.config.retry_after_s)
+            headers["Retry-After"] = str(self.config.retry_after_s)
         if result.outcome is Outcome.UNAUTHENTICATED:
             headers["WWW-Authenticate"] = 'Bearer realm="lightspan-collector"'
         return headers
 
 
-class OTLPHandler(BaseHandler):
+class OTLP(_Transport):
     """``POST /v1/traces`` and ``POST /v1/logs``: OTLP/HTTP, protobuf or JSON, optionally gzip/deflate."""
 
-    def do_POST(self) -> None:
-        signal = _SIGNALS.get(urlsplit(self.path).path)
+    def handle(self, request: http.Request) -> http.Response:
+        signal = _SIGNALS.get(request.path)
         if signal is None:
-            self.discard_body()
-            return self.send_text(404, f"not found: POST OTLP to {TRACES_PATH} or {LOGS_PATH}\n")
-        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        encoding = {PROTOBUF: "protobuf", JSON: "json"}.get(content_type)
-        refused = self.check_auth()
-        if refused is not None:
-            return self.answer(refused, encoding or "json")
-        if encoding is None:
-            self.discard_body()
-            return self.answer(self.collector.refuse(
-                Outcome.UNSUPPORTED, f"content type {content_type!r}: send {PROTOBUF} or {JSON}"), "json")
-        body = self.read_body()
-        if isinstance(body, ExportResult):
-            return self.answer(body, encoding)
-        self.answer(self.collector.export(body, encoding, signal), encoding)
+            return http.Response(404, "text/plain; charset=utf-8",
+                                 f"not found: POST OTLP to {TRACES_PATH} or {LOGS_PATH}\n".encode())
+        if request.method != "POST":
+            return http.Response(405, "text/plain; charset=utf-8",
+                                 f"method {request.method} not allowed on {request.path}; use POST\n".encode(),
+                                 {"Allow": "POST"})
+        encoding = {PROTOBUF: "protobuf", JSON: "json"}.get(request.content_type())
+        close = False
+        try:
+            self.guard.check(request)
+            result = self.check_auth(request)
+            if result is None and encoding is None:
+                result = self.collector.refuse(Outcome.UNSUPPORTED, f"content type {request.content_type()!r}: "
+                                               f"send {PROTOBUF} or {JSON}")
+            if result is None:
+                result = self._export(request, encoding, signal)
+        except http.HTTPError as exc:
+            close = exc.close
+            result = self.collector.refuse(BY_HTTP_STATUS.get(exc.status, Outcome.INVALID), exc.message, signal)
+        return self.answer(result, encoding or "json", close)
 
-    def answer(self, result: ExportResult, encoding: str) -> None:
-        if result.status.http_status == 200:
-            message = result.response()
-        else:
-            message = result.rpc_status(self.collector.config.retry_after_s)
+    def _export(self, request: http.Request, encoding: str, signal: str) -> ExportResult:
+        cap = self.config.max_http_body_bytes
+        body = request.body(cap)
+        content_encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if content_encoding != "identity":
+            wbits = {"gzip": 31, "deflate": 15}.get(content_encoding)   # 31: gzip header; 15: zlib
+            if wbits is None:
+                return self.collector.refuse(Outcome.UNSUPPORTED, f"content encoding {content_encoding!r}: "
+                                             "use gzip, deflate or none")
+            inflated = _decompress(body, wbits, cap if encoding == "protobuf" else self.config.max_json_bytes)
+            if isinstance(inflated, tuple):
+                return self.collector.refuse(*inflated)
+            request.hold(len(inflated))       # the inflated copy counts too
+            body = inflated
+        if encoding == "json":
+            if len(body) > self.config.max_json_bytes:
+                return self.collector.refuse(Outcome.TOO_LARGE, f"OTLP/JSON body of {len(body)} bytes exceeds "
+                                             f"max_json_bytes={self.config.max_json_bytes}")
+            with self.collector.json_lock:
+                return self.collector.export(body, encoding, signal)
+        return self.collector.export(body, encoding, signal)
+
+    def answer(self, result: ExportResult, encoding: str, close: bool) -> http.Response:
+        message = result.response() if result.status.http_status == 200 else result.rpc_status(self.config.retry_after_s)
         if encoding == "json":
             body, content_type = json_format.MessageToJson(message, indent=None).encode(), JSON
         else:
             body, content_type = message.SerializeToString(), PROTOBUF
-        self.send(result.status.http_status, body, content_type, self.retry_headers(result))
-
-    def do_GET(self) -> None:
-        if urlsplit(self.path).path in _SIGNALS:
-            return self.not_allowed("POST")
-        self.discard_body()
-        self.send_text(404, f"not found: POST OTLP to {TRACES_PATH} or {LOGS_PATH}\n")
-
-    do_PUT = do_DELETE = do_PATCH = do_GET
+        headers = self.retry_headers(result)
+        if close:
+            headers["Connection"] = "close"
+        return http.Response(result.status.http_status, content_type, body, headers)
 
 
-def _decompress(body: bytes, wbits: int, cap: int, collector: "Collector") -> bytes | ExportResult:
+def _decompress(body: bytes, wbits: int, cap: int) -> bytes | tuple[Outcome, str]:
     decompressor = zlib.decompressobj(wbits)
     try:
         data = decompressor.decompress(body, cap + 1)   # never inflate more than the cap (zip bombs)
     except zlib.error as exc:
-        return collector.refuse(Outcome.INVALID, f"body does not decompress: {exc}")
+        return Outcome.INVALID, f"body does not decompress: {exc}"
     if len(data) > cap:
-        return collector.refuse(Outcome.TOO_LARGE, f"decompressed body exceeds max_http_body_bytes={cap}")
+        return Outcome.TOO_LARGE, f"decompressed body exceeds the limit of {cap} bytes"
     if not decompressor.eof:
-        return collector.refuse(Outcome.INVALID, "compressed body is truncated")
+        return Outcome.INVALID, "compressed body is truncated"
     return data
 
 
-class APIHandler(BaseHandler):
+class API(_Transport):
     """The API port: health, metrics, flush, late rewards, read-only SQL, the web UI."""
 
-    _GET = ("/healthz", "/metrics", "/v1/sql")
-    _POST = ("/v1/flush", "/v1/rewards", "/v1/sql")
+    def __init__(self, collector: "Collector"):
+        super().__init__(collector)
+        self._turns = threading.BoundedSemaphore(self.config.sql_max_concurrent)
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
 
-    def do_GET(self) -> None:
-        url = urlsplit(self.path)
-        if url.path == "/healthz":   # open without the token: load balancers and probes call it
+    def handle(self, request: http.Request) -> http.Response:
+        try:
+            return self._route(request)
+        except http.HTTPError as exc:
+            if exc.status in _COUNTED:     # the server's own refusals (401s are counted where they happen)
+                self.collector.metrics.refused(BY_HTTP_STATUS[exc.status])
+            raise
+
+    def _route(self, request: http.Request) -> http.Response:
+        self.guard.check(request)
+        path, method = request.path, request.method
+        if path == "/healthz" and method in ("GET", "HEAD"):   # open without the token: probes call it
             ok = self.collector.running
-            return self.send_json(200 if ok else 503, {"status": "ok" if ok else "stopping"})
-        added = routes.find(self.collector.routes, url.path)
+            return http.json_response(200 if ok else 503, {"status": "ok" if ok else "stopping"})
+        added = routes.find(self.collector.routes, path)
         if added is not None:
-            if added.open or self.allowed():
-                self.send_response_of(added.handler(url.path, url.query, self.collector))
-            return
-        if url.path not in self._GET:
-            if url.path in self._POST:
-                return self.not_allowed("POST")
-            return self.send_text(404, f"not found: {self.routes_text()}\n")
-        if not self.allowed():
-            return
-        if url.path == "/metrics":
-            return self.send(200, self.collector.render_metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
-        queries = parse_qs(url.query).get("q")
-        self.sql(queries[0] if queries else "")
-
-    def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        if api.event_rollout(path) is not None:
-            return self.event(api.event_rollout(path))
-        if path not in self._POST:
-            self.discard_body()
-            if path in self._GET:
-                return self.send_text(405, f"use GET on {path}\n", {"Allow": "GET"})
-            return self.send_text(404, f"not found: {self.routes_text()}\n")
-        if not self.allowed():
-            return
+            if method not in ("GET", "HEAD"):
+                raise http.HTTPError(405, f"use GET on {path}", {"Allow": "GET"})
+            if not added.open:
+                self.authorize(request)
+                with self.turn():
+                    return added.handler(path, request.query, self.collector)
+            return added.handler(path, request.query, self.collector)
+        rollout_id = api.event_rollout(path)
+        if rollout_id is not None:          # Agent Lightning's AGL_EVENT_URL
+            if method != "POST":
+                raise http.HTTPError(405, f"use POST on {path}", {"Allow": "POST"})
+            self.authorize(request)
+            return self.event(rollout_id, request.json(self.config.max_json_bytes))
+        allowed = [m for m, paths in (("GET", _GET), ("POST", _POST)) if path in paths]
+        if not allowed:
+            raise http.HTTPError(404, f"not found: {self.routes_text()}")
+        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+            raise http.HTTPError(405, f"use {' or '.join(allowed)} on {path}", {"Allow": ", ".join(allowed)})
+        self.authorize(request)
+        if path == "/metrics":
+            return http.Response(200, "text/plain; version=0.0.4; charset=utf-8",
+                                 self.collector.render_metrics().encode())
         if path == "/v1/flush":
-            self.discard_body()
             return self.flush()
-        doc = self.read_json()
-        if doc is None:
-            return
         if path == "/v1/rewards":
-            return self.rewards(doc)
-        self.sql(doc.get("sql") if isinstance(doc, dict) else None)
+            return self.rewards(request.json(self.config.max_json_bytes))
+        if method == "POST":
+            doc = request.json(self.config.max_json_bytes)
+            return self.sql(doc.get("sql") if isinstance(doc, dict) else None)
+        return self.sql((parse_qs(request.query).get("q") or [""])[0])
 
     def routes_text(self) -> str:
         added = [f"GET {r.prefix or r.paths[0]}" for r in self.collector.routes]
         return ", ".join([_API_ROUTES, *added])
 
-    def send_response_of(self, response: routes.Response) -> None:
-        self.send(response.status, response.body, response.content_type, response.headers)
-
-    def allowed(self) -> bool:
-        refused = self.check_auth()
+    def authorize(self, request: http.Request) -> None:
+        refused = self.check_auth(request)
         if refused is not None:
-            self.send_json(401, {"error": refused.message}, self.retry_headers(refused))
-        return refused is None
+            raise http.HTTPError(401, refused.message, self.retry_headers(refused))
 
-    def read_json(self):
-        """The JSON body, or None after answering the error."""
-        body = self.read_body()
-        if isinstance(body, ExportResult):
-            self.send_json(body.status.http_status, {"error": body.message}, self.retry_headers(body))
-            return None
+    @contextlib.contextmanager
+    def turn(self):
+        """One of ``sql_max_concurrent`` turns to query; 429 + Retry-After when too many wait."""
+        with self._waiting_lock:
+            if self._waiting >= _QUERIES_WAITING:
+                raise http.retry_later(429, f"too many queries at once (sql_max_concurrent="
+                                            f"{self.config.sql_max_concurrent}); retry later", self.config.retry_after_s)
+            self._waiting += 1
         try:
-            return json.loads(body)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            self.send_json(400, {"error": f"body is not JSON: {exc}"})
-            return None
+            got = self._turns.acquire(timeout=self.config.sql_timeout_s)
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        if not got:
+            raise http.retry_later(429, "no turn to query within sql_timeout_s; retry later", self.config.retry_after_s)
+        try:
+            yield
+        finally:
+            self._turns.release()
 
-    def flush(self) -> None:
+    def flush(self) -> http.Response:
         try:
             flushed = self.collector.flush_counts()
         except Exception as exc:  # our own failure (disk), not the client's data: retry later
             log.exception("flush requested over the API failed")
-            return self.send_json(503, {"error": f"flush failed: {exc}"},
-                                  {"Retry-After": str(self.collector.config.retry_after_s)})
-        self.send_json(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
+            return http.json_response(503, {"error": f"flush failed: {exc}"},
+                                      {"Retry-After": str(self.config.retry_after_s)})
+        return http.json_response(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
 
-    def event(self, rollout_id: str) -> None:
+    def event(self, rollout_id: str, doc) -> http.Response:
         """``POST /v1/rollouts/ID/events``: an Agent Lightning reward event is a reward of rollout ID."""
-        if not self.allowed():
-            return
-        doc = self.read_json()
-        if doc is None:
-            return
         try:
             reward = api.event_reward(rollout_id, doc, time.time_ns())
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
-            return self.send_json(400, {"error": str(exc)})
+            return http.json_response(400, {"error": str(exc)})
         if reward is None:
             self.collector.metrics.add("events_ignored_total")
-            return self.send_json(200, {"accepted": 0, "ignored": doc["event_type"]})
-        self.rewards(reward)
+            return http.json_response(200, {"accepted": 0, "ignored": doc["event_type"]})
+        return self.rewards(reward)
 
-    def rewards(self, doc) -> None:
+    def rewards(self, doc) -> http.Response:
         try:
             request, recorded = api.reward_request(doc, time.time_ns())
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
-            return self.send_json(400, {"error": str(exc)})
-        result = self.collector.export(request.SerializeToString(), "protobuf")
-        if result.outcome is not Outcome.OK or result.rejected:
-            code = result.status.http_status if result.outcome is not Outcome.OK else 400
-            return self.send_json(code, {"error": result.message}, self.retry_headers(result))
-        self.collector.metrics.add("rewards_accepted_total", len(recorded))
-        self.send_json(200, {"accepted": len(recorded), "rewards": recorded})
-
-    def sql(self, sql) -> None:
-        config = self.collector.config
+            return http.json_response(400, {"error": str(exc)})
+        export = lambda req: self.collector.export(req.SerializeToString(), "protobuf")   # noqa: E731
         try:
-            answer = api.run_sql(self.collector.data_dir, sql, timeout_s=config.sql_timeout_s,
-                                 max_rows=config.sql_max_rows)
+            with self.turn():   # the store is read for the re-post rule
+                result = self.collector.rewards.post(request, recorded, export)
+        except api.Conflict as exc:
+            return http.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
+        if result is not None and (result.outcome is not Outcome.OK or result.rejected):
+            code = result.status.http_status if result.outcome is not Outcome.OK else 400
+            return http.json_response(code, {"error": result.message}, self.retry_headers(result))
+        stored = sum(r["status"] == "stored" for r in recorded)
+        self.collector.metrics.add("rewards_accepted_total", stored)
+        return http.json_response(200, {"accepted": len(recorded), "stored": stored, "rewards": recorded})
+
+    def sql(self, sql) -> http.Response:
+        try:
+            with self.turn():
+                answer = self.collector.queries.run(sql)
         except api.BadRequest as exc:
             self.collector.metrics.add("sql_errors_total")
-            return self.send_json(400, {"error": str(exc)})
-        except Exception as exc:   # never a 500 for a query: say what went wrong
-            log.exception("SQL endpoint: unexpected error")
-            self.collector.metrics.add("sql_errors_total")
-            return self.send_json(400, {"error": f"{type(exc).__name__}: {exc}"})
+            return http.json_response(400, {"error": str(exc)})
         self.collector.metrics.add("sql_queries_total")
-        self.send_json(200, answer)
+        return http.Response(200, JSON, json.dumps(answer, allow_nan=False).encode())

@@ -22,8 +22,8 @@ COUNTERS = {
     "log_records_rejected_total": "Malformed log records dropped from otherwise valid requests (partial_success).",
     "log_records_written_total": "Log records written to Parquet, WAL replay included.",
     "log_records_deduplicated_total": "Log records not written because the store holds them already.",
-    "rewards_accepted_total": "Late rewards acknowledged through POST /v1/rewards (re-posts included) "
-                              "or POST /v1/rollouts/ID/events.",
+    "rewards_accepted_total": "Late rewards stored through POST /v1/rewards or POST /v1/rollouts/ID/events "
+                              "(a re-post of a stored reward is not counted).",
     "events_ignored_total": "Agent Lightning events acknowledged but not stored (an event_type other than reward).",
     "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
     "compactions_total": "Date partitions whose small Parquet files were merged into one.",
@@ -82,6 +82,13 @@ class Metrics:
         metric("queue_bytes", "gauge", "Bytes accepted but not yet in Parquet (trace requests as received, log records as Arrow; bounded by max_queue_bytes).",
                [("queue_bytes", snap["queue_bytes"])])
         metric("wal_bytes", "gauge", "Bytes in WAL segment files.", [("wal_bytes", snap["wal_bytes"])])
+        metric("inflight_bytes", "gauge", "Request bytes held by the receivers and the API now (bounded by max_inflight_bytes).",
+               [("inflight_bytes", snap["inflight_bytes"])])
+        metric("connections", "gauge", "Open connections on the OTLP/HTTP and API ports.",
+               [("connections", snap["connections"])])
+        metric("connections_refused_total", "counter",
+               "Connections refused on the HTTP ports because max_connections were open.",
+               [("connections_refused_total", snap["connections_refused_total"])])
         metric("flush_seconds", "summary", "Time to write queued rows to Parquet, per flush with data.",
                [("flush_seconds_sum", snap["flush_seconds_sum"]), ("flush_seconds_count", snap["flush_seconds_count"])])
         metric("fsync_seconds", "summary", "Time in WAL fsync (one fsync may cover several exports).",

@@ -1,15 +1,18 @@
-"""OTLP requests → rows of :data:`~lightspan.store.SPAN_SCHEMA` and
-:data:`~lightspan.store.LOG_SCHEMA`. Pure functions.
+"""OTLP requests → rows of :data:`~lightspan.store.SPAN_SCHEMA`. Pure functions.
 
 :func:`flatten` turns one ``ExportTraceServiceRequest`` into an Arrow table, one row per span;
-:func:`flatten_logs` does the same for an ``ExportLogsServiceRequest`` (GenAI events sent
-through the logs signal), one row per log record.
+:mod:`lightspan.collector.otlp_logs` does the same for an ``ExportLogsServiceRequest`` (GenAI
+events sent through the logs signal), one row per log record.
 What readers filter or join on is promoted to typed columns (DESIGN.md §3.2); every other
 attribute is kept, JSON-encoded, in the ``attributes`` / ``resource_attributes`` maps.
 
-Malformed input never raises in the middle of a batch: a span with a bad id or with token-id
-bytes whose length is not a multiple of 4 is rejected and counted, its siblings are kept
-(OTLP ``partial_success``). A promoted attribute of an unexpected type (say, a string where
+Malformed input never raises in the middle of a batch: a span with a bad id, with token-id
+bytes whose length is not a multiple of 4, or with a token-id attribute that appears twice (which
+one is the call's?) is rejected and counted, its siblings are kept (OTLP ``partial_success``).
+A span whose logprobs hold NaN or an infinity is stored without them, with capture status
+``invalid_logprobs`` (:data:`INVALID_LOGPROBS`), and the answer carries a warning: the call stays
+visible, and the transition builder treats it like any call whose capture failed (no token ids
+and logprobs to train on) instead of a rollout silently missing one of its calls. A promoted attribute of an unexpected type (say, a string where
 an int belongs) is not promoted and stays in ``attributes``, so nothing is lost.
 
 Token ids and logprobs arrive as little-endian int32/float32 bytes (``semconv.encode_ids``);
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import math
 
@@ -28,11 +30,10 @@ import numpy as np
 import pyarrow as pa
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError as _ProtobufDecodeError
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from lightspan.store import LOG_SCHEMA, SPAN_SCHEMA
+from lightspan.store import SPAN_SCHEMA
 from lightspan.tracing import semconv as sc
 
 # traceloop's instrumentation names the operation here when gen_ai.operation.name is absent
@@ -42,6 +43,7 @@ _KIND = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"} 
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 _INT64_MAX = (1 << 63) - 1
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+INVALID_LOGPROBS = "invalid_logprobs"   # lightspan.capture.status of a span stored without its logprobs
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
@@ -177,6 +179,46 @@ _PACKED_COLUMNS = {"prompt_token_ids": "<i4", "completion_token_ids": "<i4", "co
 _COLUMNS = [f.name for f in SPAN_SCHEMA]
 
 
+def _attributes(span) -> dict:
+    """The span's attributes by key; rejects a span on which a token-id or logprob attribute
+    appears more than once (which one would be the call's?)."""
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    if len(attrs) != len(span.attributes):
+        seen = set()
+        for kv in span.attributes:
+            if kv.key in _PACKED_KEYS and kv.key in seen:
+                raise _Reject(f"attribute {kv.key} appears more than once")
+            seen.add(kv.key)
+    return attrs
+
+
+def _logprob_chunks(value: AnyValue) -> list[bytes]:
+    """The float32 bytes of every choice's logprobs."""
+    kind = value.WhichOneof("value")
+    if kind == "bytes_value":
+        return [value.bytes_value]
+    if kind == "array_value":
+        return [v.bytes_value for v in value.array_value.values if v.WhichOneof("value") == "bytes_value"]
+    return []
+
+
+def _all_finite(chunks: list[bytes]) -> bool:
+    """Whether every float32 in ``chunks`` is finite: one numpy pass for a whole request."""
+    data = b"".join(c for c in chunks if len(c) % 4 == 0)
+    return bool(np.isfinite(np.frombuffer(data, dtype="<f4")).all())
+
+
+def _unusable(row: dict, attrs: dict) -> None:
+    """A row whose logprobs hold NaN or an infinity: stored without them, as INVALID_LOGPROBS; the
+    raw value (and the agent's own capture status) stay in ``attributes``."""
+    row["completion_logprobs"] = None
+    row["capture_status"] = INVALID_LOGPROBS
+    kept = {key for key, _ in row["attributes"]}
+    row["attributes"] = row["attributes"] + [(key, _dumps(_py(attrs[key])))
+                                             for key in (sc.COMPLETION_LOGPROBS, sc.CAPTURE_STATUS)
+                                             if key in attrs and key not in kept]
+
+
 def _id(data: bytes, what: str, size: int, zero: bytes) -> str:
     if len(data) != size:
         raise _Reject(f"{what} has {len(data)} bytes, want {size}")
@@ -191,8 +233,8 @@ def _time(ns: int, what: str) -> int:
     return ns
 
 
-def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) -> dict:
-    """One row as a column → value dict. Raises _Reject for a malformed span."""
+def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) -> tuple[dict, dict]:
+    """One row as a column → value dict, and the span's attributes. Raises _Reject for a malformed span."""
     row = {
         "trace_id": _id(span.trace_id, "trace_id", 16, _ZERO_TRACE),
         "span_id": _id(span.span_id, "span_id", 8, _ZERO_SPAN),
@@ -207,7 +249,7 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
         "status_message": span.status.message or None,
         "received_unix_nano": received_unix_nano,
     }
-    attrs = {kv.key: kv.value for kv in span.attributes}
+    attrs = _attributes(span)
     keep_anyway = set()
     promoted = set()
     for key, column, convert in _PROMOTED:
@@ -238,7 +280,7 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
                       "attributes": _json_object(e.attributes)} for e in span.events]
     row["links"] = [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
                      "attributes": _json_object(link.attributes)} for link in span.links]
-    return row
+    return row, attrs
 
 
 def _resource(resource_spans) -> dict:
@@ -268,7 +310,7 @@ def _packed_array(chunks: list, dtype: str, type_: pa.DataType) -> pa.Array:
 
 def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tuple[pa.Table, int, str | None]:
     """One row per span in ``SPAN_SCHEMA``; returns (table, spans rejected, first rejection reason)."""
-    columns: dict[str, list] = {name: [] for name in _COLUMNS}
+    rows, spans_attrs = [], []
     rejected, first_error = 0, None
     for r, resource_spans in enumerate(request.resource_spans):
         resource = _resource(resource_spans)
@@ -276,14 +318,25 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
             scope_name = scope_spans.scope.name
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    row = _span_row(span, scope_name, resource, received_unix_nano)
+                    row, attrs = _span_row(span, scope_name, resource, received_unix_nano)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
-                for name in _COLUMNS:
-                    columns[name].append(row.get(name))
+                rows.append(row)
+                spans_attrs.append(attrs)
+
+    def logprobs(row: dict, attrs: dict) -> list[bytes]:   # choice 0 is in the row; more choices are rare
+        if (row.get("num_choices") or 1) > 1 and sc.COMPLETION_LOGPROBS in attrs:
+            return _logprob_chunks(attrs[sc.COMPLETION_LOGPROBS])
+        return [row["completion_logprobs"]] if row.get("completion_logprobs") else []
+
+    if not _all_finite([c for row, attrs in zip(rows, spans_attrs) for c in logprobs(row, attrs)]):
+        for row, attrs in zip(rows, spans_attrs):
+            if not _all_finite(logprobs(row, attrs)):
+                _unusable(row, attrs)
+    columns = {name: [row.get(name) for row in rows] for name in _COLUMNS}
     arrays = []
     for field in SPAN_SCHEMA:
         values = columns[field.name]
@@ -294,8 +347,9 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
     return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
 
 
-def _check_span(span) -> None:
-    """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row."""
+def _check_span(span) -> AnyValue | None:
+    """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row;
+    returns its logprobs attribute (see :func:`_unusable`)."""
     _id(span.trace_id, "trace_id", 16, _ZERO_TRACE)
     _id(span.span_id, "span_id", 8, _ZERO_SPAN)
     if span.parent_span_id:
@@ -304,33 +358,53 @@ def _check_span(span) -> None:
     _time(span.end_time_unix_nano, "end_time_unix_nano")
     for event in span.events:
         _time(event.time_unix_nano, "event time")
+    seen, logprobs = 0, None
     for kv in span.attributes:
-        if kv.key in _PACKED_KEYS:
+        key = kv.key
+        if key in _PACKED_KEYS:
+            convert, bit = _PACKED_KEYS[key]
+            if seen & bit:
+                raise _Reject(f"attribute {key} appears more than once")
+            seen |= bit
             try:
-                _PACKED_KEYS[kv.key](kv.value, kv.key)
-            except _Keep:
-                pass
+                convert(kv.value, key)
+            except _Keep:   # not promoted: stays in attributes, never trained on
+                continue
+            if key == sc.COMPLETION_LOGPROBS:
+                logprobs = kv.value
+    return logprobs
 
 
-_PACKED_KEYS = {key: convert for key, _, convert in _PROMOTED if convert in (_packed, _choices)}
+# token-id and logprob keys: (converter, a bit of their own, to find a key given twice)
+_PACKED_KEYS = {key: (convert, 1 << n) for n, (key, _, convert) in
+                enumerate(p for p in _PROMOTED if p[2] in (_packed, _choices))}
 
 
-def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None]:
+def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str | None]:
     """What :func:`flatten` would accept, at a fraction of its cost: (spans accepted, spans
-    rejected, first rejection reason). The receivers answer with this; the writer flattens."""
-    accepted, rejected, first_error = 0, 0, None
+    rejected, first rejection reason, a warning naming the spans stored as ``invalid_logprobs`` or
+    None). The receivers answer with this; the writer flattens."""
+    accepted, rejected, first_error, with_logprobs = 0, 0, None, []
     for r, resource_spans in enumerate(request.resource_spans):
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    _check_span(span)
+                    logprobs = _check_span(span)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
                 accepted += 1
-    return accepted, rejected, first_error
+                if logprobs is not None:
+                    with_logprobs.append(((r, s, i), _logprob_chunks(logprobs)))
+    unusable, first_unusable = 0, None
+    if with_logprobs and not _all_finite([c for _, chunks in with_logprobs for c in chunks]):
+        bad = [where for where, chunks in with_logprobs if not _all_finite(chunks)]
+        unusable, first_unusable = len(bad), "resource_spans[{}].scope_spans[{}].spans[{}]".format(*bad[0])
+    warning = (f"{unusable} span(s) stored with capture status {INVALID_LOGPROBS} (NaN or infinite values in "
+               f"{sc.COMPLETION_LOGPROBS}: never trained on); first: {first_unusable}") if unusable else None
+    return accepted, rejected, first_error, warning
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:
@@ -399,101 +473,3 @@ def parse_json_request(body: bytes) -> ExportTraceServiceRequest:
         return json_format.ParseDict(doc, ExportTraceServiceRequest(), ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError, binascii.Error) as exc:
         raise DecodeError(f"not an OTLP/JSON trace request: {exc}") from None
-
-
-# --- logs --------------------------------------------------------------------------------------
-
-_LOG_COLUMNS = [f.name for f in LOG_SCHEMA]
-EVENT_NAME = "event.name"     # where events were named before LogRecord.event_name existed
-
-
-def _optional_id(data: bytes, what: str, size: int, zero: bytes) -> str | None:
-    """A log record's trace/span id: optional, but the right length when present."""
-    if not data or data == zero:
-        return None
-    return _id(data, what, size, zero)
-
-
-def _log_row(record, scope_name: str, resource: dict, resource_digest: bytes, received_unix_nano: int) -> dict:
-    """One row as a column → value dict. Raises _Reject for a malformed record."""
-    observed = _time(record.observed_time_unix_nano, "observed_time_unix_nano")
-    time_ns = _time(record.time_unix_nano, "time_unix_nano") or observed or received_unix_nano
-    attrs = {kv.key: kv.value for kv in record.attributes}
-    row = {
-        "time_unix_nano": time_ns,
-        "observed_time_unix_nano": observed or None,
-        "severity_number": record.severity_number,
-        "severity_text": record.severity_text or None,
-        "body": _dumps(_py(record.body)) if record.HasField("body") else None,
-        "event_name": record.event_name or None,
-        "trace_id": _optional_id(record.trace_id, "trace_id", 16, _ZERO_TRACE),
-        "span_id": _optional_id(record.span_id, "span_id", 8, _ZERO_SPAN),
-        "scope_name": scope_name or None,
-        "received_unix_nano": received_unix_nano,
-    }
-    if row["event_name"] is None and EVENT_NAME in attrs:
-        try:
-            row["event_name"] = _str(attrs[EVENT_NAME], EVENT_NAME)
-        except _Keep:
-            pass
-    promoted = set()
-    for key, column in _FROM_RESOURCE[:3]:     # rollout, task, split: the record's attribute first
-        if key in attrs:
-            try:
-                row[column] = _str(attrs[key], key)
-                promoted.add(key)
-            except _Keep:
-                pass
-    for key, column in _FROM_RESOURCE:
-        if column not in row and column in resource["values"]:
-            row[column] = resource["values"][column]
-    row["resource_attributes"] = resource["all"] if promoted else resource["rest"]
-    row["attributes"] = [(k, _dumps(_py(v))) for k, v in attrs.items() if k not in promoted]
-    # logs carry no id: the same record re-sent (at-least-once) hashes to the same record_id
-    digest = hashlib.blake2b(resource_digest, digest_size=16)
-    digest.update(scope_name.encode())
-    digest.update(record.SerializeToString(deterministic=True))
-    row["record_id"] = digest.hexdigest()
-    return row
-
-
-def flatten_logs(request: ExportLogsServiceRequest, received_unix_nano: int) -> tuple[pa.Table, int, str | None]:
-    """One row per log record in ``LOG_SCHEMA``; returns (table, records rejected, first reason)."""
-    columns: dict[str, list] = {name: [] for name in _LOG_COLUMNS}
-    rejected, first_error = 0, None
-    for r, resource_logs in enumerate(request.resource_logs):
-        resource = _resource(resource_logs)
-        resource_digest = hashlib.blake2b(resource_logs.resource.SerializeToString(deterministic=True),
-                                          digest_size=16).digest()
-        for s, scope_logs in enumerate(resource_logs.scope_logs):
-            scope_name = scope_logs.scope.name
-            for i, record in enumerate(scope_logs.log_records):
-                try:
-                    row = _log_row(record, scope_name, resource, resource_digest, received_unix_nano)
-                except (_Reject, ValueError, TypeError, OverflowError) as exc:
-                    rejected += 1
-                    if first_error is None:
-                        first_error = f"resource_logs[{r}].scope_logs[{s}].log_records[{i}]: {exc}"
-                    continue
-                for name in _LOG_COLUMNS:
-                    columns[name].append(row.get(name))
-    arrays = [pa.array(columns[field.name], type=field.type) for field in LOG_SCHEMA]
-    return pa.Table.from_arrays(arrays, schema=LOG_SCHEMA), rejected, first_error
-
-
-def count_log_records(request: ExportLogsServiceRequest) -> int:
-    return sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
-
-
-def parse_json_logs_request(body: bytes) -> ExportLogsServiceRequest:
-    """OTLP/JSON logs (``application/json``), with the same rules as :func:`parse_json_request`."""
-    doc = _json_doc(body)
-    for r, rl in enumerate(_items(doc, "resourceLogs", "resource_logs")):
-        for s, sl in enumerate(_items(rl, "scopeLogs", "scope_logs")):
-            for i, record in enumerate(_items(sl, "logRecords", "log_records")):
-                if isinstance(record, dict):
-                    _hex_ids_to_base64(record, f"resourceLogs[{r}].scopeLogs[{s}].logRecords[{i}]")
-    try:
-        return json_format.ParseDict(doc, ExportLogsServiceRequest(), ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError, binascii.Error) as exc:
-        raise DecodeError(f"not an OTLP/JSON logs request: {exc}") from None

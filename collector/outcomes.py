@@ -25,6 +25,9 @@ class Outcome(enum.Enum):
     QUEUE_FULL = "queue_full"       # backpressure: Parquet is behind; come back later
     DISK = "disk"                   # the WAL could not be written or fsynced (disk full, I/O error)
     UNAVAILABLE = "unavailable"     # stopping
+    BUSY = "busy"                   # too many request bytes, connections or queries in flight
+    TIMEOUT = "timeout"             # the request's body did not arrive within read_timeout_s
+    FORBIDDEN = "forbidden"         # a cross-site request (Host or Origin not allowed)
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,13 @@ _STATUS = {
     Outcome.QUEUE_FULL: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
     Outcome.DISK: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
     Outcome.UNAVAILABLE: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
+    Outcome.BUSY: Status(True, grpc.StatusCode.UNAVAILABLE, 503),
+    Outcome.TIMEOUT: Status(False, grpc.StatusCode.DEADLINE_EXCEEDED, 408),
+    Outcome.FORBIDDEN: Status(False, grpc.StatusCode.PERMISSION_DENIED, 403),
 }
+# the HTTP statuses the shared server (lightspan.http) answers by itself, as outcomes
+BY_HTTP_STATUS = {400: Outcome.INVALID, 403: Outcome.FORBIDDEN, 408: Outcome.TIMEOUT, 411: Outcome.INVALID,
+                  413: Outcome.TOO_LARGE, 415: Outcome.UNSUPPORTED, 429: Outcome.BUSY, 503: Outcome.BUSY}
 
 
 def status_for(outcome: Outcome) -> Status:
@@ -67,14 +76,15 @@ class ExportResult:
         return status_for(self.outcome)
 
     def response(self) -> ExportTraceServiceResponse | ExportLogsServiceResponse:
+        # a message with nothing rejected is an OTLP warning (spans stored, but marked unusable)
         if self.signal == "logs":
             response = ExportLogsServiceResponse()
-            if self.rejected:
+            if self.rejected or self.message:
                 response.partial_success.rejected_log_records = self.rejected
                 response.partial_success.error_message = self.message
             return response
         response = ExportTraceServiceResponse()
-        if self.rejected:
+        if self.rejected or self.message:
             response.partial_success.rejected_spans = self.rejected
             response.partial_success.error_message = self.message
         return response

@@ -10,17 +10,13 @@ function of the request's path and query string and of a :class:`CollectorState`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from lightspan.http import Response
 
-@dataclass
-class Response:
-    status: int
-    content_type: str
-    body: bytes
-    headers: dict = field(default_factory=dict)
+__all__ = ["CollectorState", "Response", "Route", "find"]
 
 
 class CollectorState(Protocol):

@@ -37,6 +37,17 @@ def empty_stats() -> dict:
     return stats
 
 
+def final_rewards(reward: np.ndarray, per_call: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """R_i: each rollout's last reward by time that scores the rollout, else (only calls were scored)
+    its last reward. ``reward`` and ``per_call`` are sorted by (rollout, time); rollout i's rewards
+    are ``bounds[i]:bounds[i + 1]``, and each rollout has one."""
+    out = np.empty(len(bounds) - 1)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        whole = np.flatnonzero(~per_call[lo:hi])
+        out[i] = reward[lo + whole[-1]] if len(whole) else reward[hi - 1]
+    return out
+
+
 def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens, num_rollouts: int,
             config: TransitionsConfig, now: int, policy: str | None = None) -> tuple[pa.Table, dict]:
     """Credit and advantages for the ready rollouts' calls (sorted by rollout, then call order),
@@ -51,7 +62,7 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
     co = np.searchsorted(call_ridx, np.arange(num_rollouts + 1))
     ro = np.searchsorted(reward_ridx, np.arange(num_rollouts + 1))
 
-    final = reward_v[ro[1:] - 1]     # R_i: the rollout's last reward by time (each has one)
+    final = final_rewards(reward_v, rewards.column("per_call").to_numpy(zero_copy_only=False), ro)
     r_t = rewards_per_call(calls.column("end_ns").to_numpy(), rewards.column("time_ns").to_numpy(), reward_v,
                            call_rollout=call_ridx, reward_rollout=reward_ridx)
     credit = POLICIES[config.credit](r_t, final, config.gamma, rollout_index=call_ridx)

@@ -70,7 +70,9 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
        ) AS agent_label,
        CASE WHEN s.attributes[$tl_kind] = '"task"' THEN trim(s.attributes[$tl_entity], '"') END AS task_label,
        s.reward, s.model_version, s.policy AS served_policy, s.temperature, s.received_unix_nano,
-       CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome
+       CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome,
+       -- a reward that scores one call (a person's, in the web UI) names it
+       CASE WHEN s.reward IS NOT NULL THEN json_extract_string(s.attributes[$reward_call], '$') END AS reward_call
 FROM {source} s JOIN _lrl_files f ON f.filename = s.filename
 {where}
 """
@@ -190,8 +192,11 @@ WHERE a.trace_id = c.trace_id AND a.span_id = c.span_id
 
 _REWARDS_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_rewards AS
-SELECT s.rollout_key, s.end_ns AS time_ns, s.span_id, s.reward
+-- a reward naming a call counts at that call's end, so it is the call's reward (credit.rewards_per_call)
+SELECT s.rollout_key, coalesce(c.end_ns, s.end_ns) AS time_ns, s.span_id, s.reward,
+       s.reward_call IS NOT NULL AS per_call
 FROM _lrl_spans s JOIN _lrl_rollouts r USING (rollout_key)
+LEFT JOIN _lrl_spans c ON c.span_id = s.reward_call AND c.rollout_key = s.rollout_key
 WHERE r.reason IS NULL AND s.reward IS NOT NULL AND isfinite(s.reward)
 """
 
@@ -251,7 +256,7 @@ ORDER BY k.ridx, c.start_ns, c.end_ns, c.span_id, c.trace_id
 """
 
 _FETCH_REWARDS_SQL = """
-SELECT k.ridx, w.time_ns, w.reward
+SELECT k.ridx, w.time_ns, w.reward, w.per_call
 FROM _lrl_rewards w JOIN _lrl_ready k USING (rollout_key)
 ORDER BY k.ridx, w.time_ns, w.span_id, w.reward
 """
@@ -361,7 +366,7 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
         con.execute(_SPANS_SQL.format(source=source, where=where),
                     {"runner": semconv.SPAN_RUNNER, "outcome": semconv.ROLLOUT_OUTCOME,
                      "invoke_agent": semconv.OPERATION_INVOKE_AGENT, "tl_kind": semconv.TRACELOOP_SPAN_KIND,
-                     "tl_entity": semconv.TRACELOOP_ENTITY_NAME})
+                     "tl_entity": semconv.TRACELOOP_ENTITY_NAME, "reward_call": semconv.REWARD_CALL_SPAN_ID})
         read, newest = con.execute("SELECT count(*), max(received_unix_nano) FROM _lrl_spans").fetchall()[0]
         con.execute(_DEDUP_SQL)
         copies = con.execute("SELECT sum(copies - 1) FROM _lrl_copies").fetchall()[0][0]

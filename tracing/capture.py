@@ -1,7 +1,9 @@
-"""What vLLM is asked for, and how its answer becomes span attributes.
+"""Chat completions and completions: what vLLM is asked for, and how its answer becomes span attributes.
 
 Shared by the instrumentor (openai's parsed objects) and the gateway (plain JSON dicts): both
 shapes are read through :func:`_get`, so there is one parser for responses and stream chunks.
+The Responses API and Anthropic Messages have their own modules (:mod:`.capture_responses`,
+:mod:`.capture_anthropic`) with the same interface.
 
 What vLLM 0.32 returns with ``return_token_ids: true`` and ``logprobs`` (measured):
 
@@ -34,6 +36,18 @@ from lightspan.tracing import semconv
 
 CHAT = "chat"
 TEXT_COMPLETION = "text_completion"
+
+REASONS = {
+    "unparsed_response": "the answer was not a completion lightspan could read (a raw or streaming response "
+                         "the caller read itself): read it with the client's parsed objects",
+    "no_token_ids": "the server returned no token ids: is it vLLM (0.10.2 or later)? Hosted APIs return none; "
+                    "point the agent at the vLLM server, or at a lightspan gateway in front of it",
+    "multiple_prompts": "a completions request with several prompts: a span holds one prompt; send one per request",
+    "logprobs_mismatch": "the server did not return one logprob per completion token",
+    "stream_incomplete": "the stream was not read to its end (the agent stopped reading, or the connection broke)",
+    "capture_error": "lightspan could not read the answer (a bug: please report it with the agent's log)",
+}
+"""Why a call was not captured, and the fix, by ``lightspan.capture.status`` (``lightspan.capture.reason``)."""
 
 
 def operation(path: str) -> str | None:
@@ -288,7 +302,7 @@ class Capture:
         """The ``lightspan.*`` attributes: ids and logprobs only when every choice has them."""
         status = self.status()
         if status != "ok":
-            return {semconv.CAPTURE_STATUS: status}
+            return {semconv.CAPTURE_STATUS: status, semconv.CAPTURE_REASON: REASONS[status]}
         ordered = [self.choices[i] for i in sorted(self.choices)]
         attrs = {
             semconv.PROMPT_TOKEN_IDS: self.prompt,
@@ -318,9 +332,3 @@ class Capture:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = reasons
         return attrs
 
-
-def attributes_from_response(resp, operation: str, model_version: int | None = None) -> dict:
-    """Span attributes from one non-streaming response carrying vLLM's extra fields."""
-    cap = Capture(operation)
-    cap.add(resp)
-    return cap.attributes(model_version)

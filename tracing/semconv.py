@@ -1,9 +1,9 @@
 """The one vocabulary of lightspan: every attribute name any component reads or writes.
 
 OpenTelemetry GenAI semantic conventions come first; ``lightspan.*`` names exist only where
-reinforcement learning needs something the conventions do not have (DESIGN.md §3.1).
-Token ids and logprobs travel as little-endian bytes: as OTel int arrays they cost ~30x more
-to encode in the agent and to decode in the collector (FACTS.md).
+reinforcement learning needs something the conventions do not have (docs/architecture.md,
+"Attributes"). Token ids and logprobs travel as little-endian bytes: as OTel int arrays they cost
+~30x more to encode in the agent and to decode in the collector.
 """
 
 from __future__ import annotations
@@ -61,9 +61,16 @@ POLICY_VERSIONS_ENV = "LIGHTSPAN_POLICY_VERSIONS"
 ``name=version,...``, each policy's served version by its model name (:func:`format_policy_versions`).
 A call to one of those model names records :data:`POLICY_NAME` and that :data:`MODEL_VERSION`."""
 CAPTURE_STATUS = "lightspan.capture.status"
-"""``ok``, or why token ids could not be captured for this call (LLM span): ``no_token_ids``,
-``logprobs_mismatch``, ``multiple_prompts``, ``unparsed_response``, ``stream_incomplete`` (the
-stream was not read to its end), ``upstream_error`` (gateway), or ``duplicate`` (see below)."""
+"""``ok``, or why the call could not be captured (LLM span): ``no_token_ids``, ``no_logprobs`` (the
+ids are recorded, the logprobs are not: vLLM's Responses API), ``logprobs_mismatch``,
+``multiple_prompts``, ``multiple_turns``, ``unsupported_request`` (a request lightspan sends as it
+is), ``unparsed_response``, ``stream_incomplete`` (the stream was not read to its end),
+``capture_error``, ``other_url`` (a call to a server that is not a capture URL), ``upstream_error``
+(gateway), ``duplicate`` (see below), or ``invalid_logprobs`` (set by the collector: the logprobs
+held NaN or an infinity and were not stored in the logprobs column). A call with any status but
+``ok`` is not trained; ``lightspan.capture.reason`` says why and what to do."""
+CAPTURE_REASON = "lightspan.capture.reason"
+"""On an LLM span whose capture status is not ``ok``: why, and the fix, in words."""
 CAPTURE_DUPLICATE_OF = "lightspan.capture.duplicate_of"
 """On an LLM span that encloses another LLM span of the same call (two OpenAI instrumentations,
 or a framework's span around the client's): the hex span id of the inner span, which carries the

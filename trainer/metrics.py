@@ -11,10 +11,11 @@ documentation. A gauge is absent from the page until its first value (no step ye
 
 from __future__ import annotations
 
-import http.server
 import logging
 import math
 import threading
+
+from lightspan import http
 
 log = logging.getLogger(__name__)
 
@@ -143,30 +144,21 @@ def render(parts: list[tuple[str, TrainerMetrics]]) -> str:
 
 
 class MetricsServer:
-    """``GET /metrics`` over HTTP from a daemon thread; ``stop`` is idempotent."""
+    """``GET /metrics`` over HTTP (:mod:`lightspan.http`: bounded connections and read time) from a
+    daemon thread; ``stop`` is idempotent. The page is read-only and Prometheus scrapes it by
+    whatever name or address it was given, so any ``Host`` is answered."""
 
     def __init__(self, metrics: TrainerMetrics, host: str, port: int):
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def handle(request: http.Request) -> http.Response:
+            if request.path != "/metrics":
+                return http.Response(404, "text/plain; charset=utf-8", b"only /metrics is served here\n")
+            if request.method not in ("GET", "HEAD"):
+                return http.Response(405, "text/plain; charset=utf-8", b"use GET /metrics\n", {"Allow": "GET"})
+            return http.Response(200, CONTENT_TYPE, metrics.render().encode())
 
-            def log_message(self, *args):
-                pass
-
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.host, self.port = host, self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.2,),
-                                        name="trainer-metrics", daemon=True)
-        self._thread.start()
+        limits = http.Limits(max_connections=64, max_inflight_bytes=1 << 20)
+        self._server = http.Server(handle, host, port, limits=limits, name="trainer-metrics")
+        self.host, self.port = host, self._server.start()
         log.info("serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     @property
@@ -174,10 +166,7 @@ class MetricsServer:
         return f"http://{self.host}:{self.port}/metrics"
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()
+        self._server.stop()
 
 
 def start_server(metrics: TrainerMetrics, host: str, port: int) -> MetricsServer | None:

@@ -259,6 +259,7 @@ function messageNodes(messages) {
     if (m.tool_call_id) parts.unshift({type: "tool_call_response_id", id: m.tool_call_id});
     for (const p of parts) {
       if (p.type === "text") node.append(el("div", {text: String(p.content ?? "")}));
+      else if (p.type === "reasoning") node.append(el("div", {class: "muted", text: `reasoning: ${p.content ?? ""}`}));
       else if (p.type === "tool_call") {
         let args = p.arguments;
         if (typeof args === "string") args = parseAttr(args);

@@ -4,8 +4,9 @@ run, then a streamed run that continues the conversation. Run it unchanged, once
     lightspan rollout --tasks tasks.jsonl --samples 4 -- python examples/frameworks/openai_agents_agent.py
 
 The model is ``OpenAIChatCompletionsModel`` on an ``AsyncOpenAI`` client (``OPENAI_BASE_URL`` is the
-vLLM server): lightspan captures chat completions, and vLLM's Responses API (the SDK's default)
-returns no token ids. The SDK's own tracing exports to OpenAI's servers; it is switched off here
+vLLM server): vLLM's chat completions give a logprob for every token, which its Responses API (the
+SDK's default model, captured too: openai_agents_tools.py) does not in streams. The SDK's own
+tracing exports to OpenAI's servers; it is switched off here
 (``OPENAI_AGENTS_DISABLE_TRACING=1`` does the same), and OpenTelemetry's instrumentation of the
 ``openai`` client records the calls instead. A task line looks like
 ``{"id": "add-1", "prompt": "What is 2 + 3?", "answer": "5"}``.

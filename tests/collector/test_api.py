@@ -91,15 +91,18 @@ def test_posted_rewards_are_durable_idempotent_and_show_in_the_views(collector_f
     assert first.status_code == 200 and first.json()["accepted"] == 1
     crashed = tmp_path / "crashed"
     shutil.copytree(data_dir / "wal", crashed / "wal")      # what a crash right after the 200 leaves
-    again = requests.post(url, json={"rollout_id": "r1", "value": 0.0}, timeout=5)   # re-post, same key
+    again = requests.post(url, json={"rollout_id": "r1", "value": 1.0}, timeout=5)   # re-post, same key and value
     assert again.status_code == 200 and again.json()["rewards"][0]["span_id"] == first.json()["rewards"][0]["span_id"]
+    assert (again.json()["stored"], again.json()["rewards"][0]["status"]) == (0, "already_stored")
+    changed = requests.post(url, json={"rollout_id": "r1", "value": 0.0}, timeout=5)  # same key, another value
+    assert changed.status_code == 409 and changed.json()["conflicts"][0]["stored_value"] == 1.0
     judged = requests.post(url, json=[{"rollout_id": "r1", "value": 0.25, "name": "judge", "id": "a"},
                                       {"rollout_id": "r1", "value": 0.75, "name": "judge", "id": "b"},
                                       {"rollout_id": "r2", "value": -1, "task_id": "t9"}], timeout=5)
     assert judged.status_code == 200 and judged.json()["accepted"] == 3
     bad = requests.post(url, json={"rollout_id": "r1"}, timeout=5)
     assert bad.status_code == 400 and "'value' must be a number" in bad.json()["error"]
-    not_json = requests.post(url, data=b"{oops", timeout=5)
+    not_json = requests.post(url, data=b"{oops", headers={"Content-Type": "application/json"}, timeout=5)
     assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]
     collector.flush()
     assert raw_rows(data_dir) == 3 + 4                        # the re-post is not stored again...
@@ -109,8 +112,8 @@ def test_posted_rewards_are_durable_idempotent_and_show_in_the_views(collector_f
     assert query(data_dir, "SELECT num_spans, num_llm_calls, task_id FROM rollouts WHERE rollout_key = 'r1'") == [
         (3 + 3, 2, "task-1")]
     assert query(data_dir, "SELECT task_id, final_reward FROM rollouts WHERE rollout_key = 'r2'") == [("t9", -1.0)]
-    assert collector.metrics.snapshot()["rewards_accepted_total"] == 5
-    assert collector.metrics.snapshot()["spans_deduplicated_total"] == 1
+    assert collector.metrics.snapshot()["rewards_accepted_total"] == 4
+    assert collector.metrics.snapshot()["spans_deduplicated_total"] == 0     # the re-post never reached the WAL
     replayed = Collector(config(crashed)).start()              # durable before the 200
     try:
         assert query(crashed, "SELECT rollout_key, reward FROM rewards") == [("r1", 1.0)]

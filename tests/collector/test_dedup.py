@@ -121,13 +121,13 @@ def test_bad_dedup_settings_fail_naming_the_field(tmp_path, field, value):
 
 def test_a_flush_in_chunks_releases_queue_bytes_as_it_goes_and_resumes_after_a_failure(
         collector_factory, data_dir, monkeypatch):
-    from lightspan.collector import server
+    from lightspan.collector import writer
 
     collector = collector_factory()
     for k in range(3):
         assert collector.export(spans_request("r", 2, NOW_NS, first_id=1 + 2 * k)).outcome.value == "ok"
     per_request = collector.queue_bytes // 3
-    monkeypatch.setattr(server, "_FLUSH_CHUNK_BYTES", per_request)     # one request per chunk
+    monkeypatch.setattr(writer, "_FLUSH_CHUNK_BYTES", per_request)     # one request per chunk
     real_write, calls = store.write_table, []
 
     def failing_second(*args, **kwargs):

@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
                                                                       ExportTraceServiceResponse)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from lightspan.collector import otlp
+from lightspan.collector import otlp, otlp_logs
 from lightspan.collector.server import EXPORT_METHOD, LOGS_EXPORT_METHOD
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import query
@@ -144,7 +144,7 @@ def mutated(draw, seeds: list[bytes]) -> bytes:
 
 
 # attribute keys the flattener reads: a wrong type or size under one of these must not break it
-KEYS = sorted({key for key, _, _ in otlp._PROMOTED} | {"service.name", otlp.EVENT_NAME, "other"})
+KEYS = sorted({key for key, _, _ in otlp._PROMOTED} | {"service.name", otlp_logs.EVENT_NAME, "other"})
 _ids = st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=20), st.just(bytes(16)), st.just(b""))
 _u64 = st.one_of(st.integers(0, (1 << 64) - 1), st.sampled_from([0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]))
 _scalar_values = st.one_of(
@@ -431,4 +431,7 @@ def test_check_accepts_exactly_what_flatten_converts(body):
     except otlp.DecodeError:
         return
     table, rejected, first_error = otlp.flatten(request, 1)
-    assert otlp.check(request) == (table.num_rows, rejected, first_error)
+    accepted, checked_rejected, checked_error, warning = otlp.check(request)
+    assert (accepted, checked_rejected, checked_error) == (table.num_rows, rejected, first_error)
+    unusable = table.column("capture_status").to_pylist().count(otlp.INVALID_LOGPROBS)
+    assert (warning.split(" ", 1)[0] if warning else "0") == str(unusable)

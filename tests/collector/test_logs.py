@@ -18,7 +18,7 @@ from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from opentelemetry.sdk.resources import Resource
 
-from lightspan.collector import otlp
+from lightspan.collector import otlp, otlp_logs
 from lightspan.collector.server import LOGS_EXPORT_METHOD, Collector
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import config, query
@@ -52,7 +52,7 @@ def test_flatten_logs_promotes_ids_and_keeps_the_rest():
              attributes={"event.name": "gen_ai.user.message", sc.ROLLOUT_ID: "own-rollout"}),
         dict(time_unix_nano=T0, trace_id=TRACE[:15]),                      # bad trace id: rejected
     ], resource={"service.name": "agent", sc.ROLLOUT_ID: "r-1", sc.TASK_ID: "t-1"})
-    table, rejected, first = otlp.flatten_logs(request, T0 + 99)
+    table, rejected, first = otlp_logs.flatten_logs(request, T0 + 99)
     assert rejected == 1 and "log_records[2]" in first and "trace_id has 15 bytes" in first
     rows = table.to_pylist()
     assert [r["time_unix_nano"] for r in rows] == [T0, T0 + 5]              # observed time as fallback
@@ -65,7 +65,7 @@ def test_flatten_logs_promotes_ids_and_keeps_the_rest():
     assert dict(rows[0]["attributes"]) == {"gen_ai.system": '"openai"'}
     assert sc.ROLLOUT_ID not in dict(rows[0]["resource_attributes"])        # promoted
     assert sc.ROLLOUT_ID in dict(rows[1]["resource_attributes"])           # overridden: kept visible
-    again, _, _ = otlp.flatten_logs(request, T0 + 1000)                    # the same records re-sent
+    again, _, _ = otlp_logs.flatten_logs(request, T0 + 1000)                    # the same records re-sent
     assert again.column("record_id").to_pylist() == table.column("record_id").to_pylist()
     assert len(set(table.column("record_id").to_pylist())) == 2
 
@@ -146,8 +146,8 @@ def test_mutated_log_requests_parse_and_flatten_or_raise_decode_error(cuts, leng
         request = otlp.parse_protobuf_request(bytes(body), ExportLogsServiceRequest)
     except otlp.DecodeError:
         return
-    table, rejected, _ = otlp.flatten_logs(request, T0)
-    assert table.num_rows + rejected == otlp.count_log_records(request)
+    table, rejected, _ = otlp_logs.flatten_logs(request, T0)
+    assert table.num_rows + rejected == otlp_logs.count_log_records(request)
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
@@ -161,7 +161,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 @given(doc=_json)
 def test_arbitrary_json_logs_parse_or_raise_decode_error(doc):
     try:
-        request = otlp.parse_json_logs_request(json.dumps(doc).encode())
+        request = otlp_logs.parse_json_logs_request(json.dumps(doc).encode())
     except otlp.DecodeError:
         return
-    otlp.flatten_logs(request, T0)
+    otlp_logs.flatten_logs(request, T0)

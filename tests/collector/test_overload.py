@@ -1,7 +1,8 @@
-"""Overload: the real collector service with a small queue, pushed at several times the rate it
-can write by many concurrent gRPC and HTTP senders that retry at once. It must refuse with
+"""Overload: the real collector service with a small queue, pushed at ten times the rate it can
+write and more by many concurrent gRPC and HTTP senders that retry at once. It must refuse with
 retryable statuses (gRPC UNAVAILABLE + the RetryInfo trailer, HTTP 503 + Retry-After), keep its
-memory (VmRSS) bounded by its configured queue, and store everything it acknowledged."""
+memory (VmRSS) under the bound docs/deployment.md states (warm RSS + 4 × max_queue_bytes +
+2 × max_inflight_bytes + 64 MiB), and store everything it acknowledged."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.collector.process import CollectorProcess
 
 MiB = 1 << 20
 QUEUE_BYTES = 2 * MiB
+INFLIGHT_BYTES = 8 * MiB
 SPANS_PER_REQUEST = 32
 SENDERS = [("grpc", k) for k in range(4)] + [("http", k) for k in range(4, 8)]
 
@@ -108,7 +110,8 @@ def send_until(stop: threading.Event, transport: str, sender: int, service: Coll
 def test_overload_refuses_retryably_keeps_rss_bounded_and_stores_every_ack(tmp_path):
     data_dir = tmp_path / "data"
     service = CollectorProcess(data_dir, tmp_path / "collector.log", max_queue_bytes=QUEUE_BYTES,
-                               flush_interval_s=0.5, retry_after_s=1, log_refusals_every_s=1).start()
+                               max_inflight_bytes=INFLIGHT_BYTES, flush_interval_s=0.5, retry_after_s=1,
+                               log_refusals_every_s=1).start()
     load, stop, peak = Load(), threading.Event(), [0]
     try:
         # warm up with one sender (imports, thread stacks, the first Parquet write), then measure
@@ -144,10 +147,12 @@ def test_overload_refuses_retryably_keeps_rss_bounded_and_stores_every_ack(tmp_p
         service.kill()
     assert load.bad == []
     refused, acked = sum(load.refused.values()), sum(load.acked_requests.values())
-    assert refused >= 2 * acked, (load.refused, load.acked_requests)   # offered ≥ 3× what was accepted
-    # memory: the queue (request bytes) and a flush's copy of it, plus the requests in flight and
-    # allocator slack, on top of the warmed-up process; far less than what was offered
-    bound = baseline + 4 * QUEUE_BYTES + 64 * MiB
+    assert refused + acked >= 10 * acked, (load.refused, load.acked_requests)   # offered ≥ 10× what it could take
+    # memory: the queue (request bytes) and a flush's copy of it, the request bytes in flight and
+    # their parse, and allocator slack, on top of the warmed-up process; far less than what was offered
+    bound = baseline + 4 * QUEUE_BYTES + 2 * INFLIGHT_BYTES + 64 * MiB
+    print(f"overload: offered {refused + acked} requests, accepted {acked}; peak RSS {peak[0] / MiB:.0f} MiB, "
+          f"{(peak[0] - baseline) / MiB:.0f} MiB over the warm {baseline / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)")
     assert peak[0] <= bound, f"peak RSS {peak[0] / MiB:.0f} MiB > bound {bound / MiB:.0f} MiB"
     assert load.offered_bytes > 3 * (peak[0] - baseline), load.offered_bytes   # growth is not the offered load
     refusal_lines = [r for r in service.records() if r["msg"].startswith("export refused (queue_full)")]

@@ -350,9 +350,10 @@ def test_serve_logs_addresses_and_exits_cleanly_on_sigterm(tmp_path):
 # --- the one status mapping, and the config ------------------------------------------------
 
 def test_status_for_separates_permanent_from_retryable():
-    assert {o for o in Outcome if status_for(o).retryable} == {Outcome.QUEUE_FULL, Outcome.DISK, Outcome.UNAVAILABLE}
+    retryable = {Outcome.QUEUE_FULL, Outcome.DISK, Outcome.UNAVAILABLE, Outcome.BUSY}
+    assert {o for o in Outcome if status_for(o).retryable} == retryable
     assert all(status_for(o).http_status == 503 and status_for(o).grpc_code == grpc.StatusCode.UNAVAILABLE
-               for o in (Outcome.QUEUE_FULL, Outcome.DISK, Outcome.UNAVAILABLE))
+               for o in retryable)
     assert status_for(Outcome.INVALID).http_status == 400
     assert status_for(Outcome.INVALID).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(Outcome.TOO_LARGE).http_status == 413

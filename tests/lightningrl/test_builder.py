@@ -1,5 +1,6 @@
 """The transition builder over hand-built span trees (lightningrl/builder.py, selection.py, assignment.py, config.py)."""
 
+import json
 import math
 import random
 import tempfile
@@ -13,6 +14,7 @@ from lightspan import store
 from lightspan.config import ConfigError, resolve
 from lightspan.lightningrl import builder
 from lightspan.lightningrl.config import TransitionsConfig
+from tests.collector.helpers import query
 from tests.lightningrl.helpers import EPS, NOW, T0, build, call, episode, reward, rows_by_id, runner, span, write
 
 
@@ -98,6 +100,20 @@ def test_identical_uses_the_last_reward_by_time(tmp_path):
     table, _ = build(tmp_path, advantage="dr_grpo")
     got = {r["rollout_id"]: (r["reward"], r["credit"], r["advantage"]) for r in table.to_pylist()}
     assert got["a"] == pytest.approx((0.7, 0.7, 0.35))
+
+
+def test_a_reward_naming_a_call_is_that_calls_and_not_the_rollouts_final(tmp_path):
+    # a person scores call 0 (at 100, after everything): by time it would be call 1's, and the
+    # rollout's last reward; naming the call makes it call 0's, and R stays the agent's 1.0
+    first, second = call("a", 0, 10), call("a", 20, 30)
+    scored = reward("a", 100, 0.5, attributes=[("lightspan.reward.call_span_id", json.dumps(first["span_id"]))])
+    write(tmp_path, [first, second, reward("a", 35, 1.0), runner("a", 40), scored] + episode("b", 0.0))
+    table, _ = build(tmp_path, credit="discounted", gamma=1.0, advantage="dr_grpo")
+    got = {(r["rollout_id"], r["call_index"]): (r["credit"], r["advantage"], r["reward"]) for r in table.to_pylist()}
+    # r = [0.5, 1.0] -> G = [1.5, 1.0]; baseline (1.5 + 0) / 2
+    assert got == {("a", 0): pytest.approx((1.5, 0.75, 1.0)), ("a", 1): pytest.approx((1.0, 0.25, 1.0)),
+                   ("b", 0): pytest.approx((0.0, -0.75, 0.0))}
+    assert query(tmp_path, "SELECT final_reward FROM rollouts WHERE rollout_key = 'a'") == [(1.0,)]
 
 
 def test_rloo_by_hand_with_two_tasks(tmp_path):

@@ -254,4 +254,7 @@ def test_upstream_errors_pass_through(gateway, spans):
     span = _only_span(spans)
     assert span.attributes[semconv.CAPTURE_STATUS] == "upstream_error"
     assert span.status.status_code.name == "ERROR"
-    assert requests.post(f"{gateway.url_}/v1/chat/completions", data=b"{not json", timeout=60).status_code == 400
+    assert requests.post(f"{gateway.url_}/v1/chat/completions", data=b"{not json", timeout=60,
+                         headers={"Content-Type": "application/json"}).status_code == 400
+    # a body that is not declared JSON is refused before it is read (a cross-site form cannot post)
+    assert requests.post(f"{gateway.url_}/v1/chat/completions", data=b"{}", timeout=60).status_code == 415

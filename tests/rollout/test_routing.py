@@ -13,7 +13,7 @@ from lightspan.config import ConfigError
 from lightspan.rollout import runner
 from lightspan.rollout.routing import call_attributes, served_model
 from lightspan.store.policies import PolicyConfig, validate
-from lightspan.tracing import instrumentor, semconv
+from lightspan.tracing import calls, semconv
 
 POLICIES = validate([PolicyConfig(name="writer", agents=("sql_writer",)),
                      PolicyConfig(name="checker", agent_match="check")])
@@ -39,12 +39,12 @@ def test_a_rollout_gets_every_named_policys_version_and_no_single_one(tmp_path):
 def test_the_instrumentor_reads_the_policy_and_version_from_the_model_name(monkeypatch):
     monkeypatch.setenv(semconv.POLICY_VERSIONS_ENV, "checker=1,writer=3")
     monkeypatch.delenv("LIGHTSPAN_MODEL_VERSION", raising=False)
-    assert instrumentor.served_policy("writer") == ("writer", 3)
-    assert instrumentor.served_policy("checker") == ("checker", 1)
-    assert instrumentor.served_policy("policy-base") == (None, None)
+    assert calls.served_policy("writer") == ("writer", 3)
+    assert calls.served_policy("checker") == ("checker", 1)
+    assert calls.served_policy("policy-base") == (None, None)
     monkeypatch.setenv(semconv.POLICY_VERSIONS_ENV, "")
     monkeypatch.setenv("LIGHTSPAN_MODEL_VERSION", "7")
-    assert instrumentor.served_policy("writer") == (None, 7)      # one policy: the run's version
+    assert calls.served_policy("writer") == (None, 7)      # one policy: the run's version
 
 
 def test_a_proxy_routes_an_agents_calls_to_the_policy_that_owns_it(tmp_path):

@@ -55,6 +55,7 @@ def test_agent_environment_carries_task_version_and_capture_url(tmp_path):
     assert json.loads(env["LIGHTSPAN_TASK"]) == {"id": "t1", "x": 3}
     assert env["LIGHTSPAN_MODEL_VERSION"] == "5"
     assert env["OPENAI_BASE_URL"] == env["LIGHTSPAN_CAPTURE_URLS"] == "http://127.0.0.1:9/v1"
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9"   # the anthropic client adds /v1/messages
     assert "lightspan.rollout.id=t1-abc" in env["OTEL_RESOURCE_ATTRIBUTES"]
     assert "lightspan.split=val" in env["OTEL_RESOURCE_ATTRIBUTES"]
 
@@ -197,3 +198,23 @@ def test_an_agent_class_runs_as_agent_lightnings_runner_runs_it(tmp_path, monkey
     assert agent_class.main(["pkg.agents.Fails"]) == 1 and "RuntimeError: the agent broke" in capsys.readouterr().err
     assert agent_class.main(["pkg.agents.not_a_class"]) == 1 and "is not a class" in capsys.readouterr().err
     assert agent_class.main([]) == 2
+
+
+def test_the_summary_flags_calls_that_were_not_captured(caplog):
+    def outcome(rid, report, result="ok"):
+        return runner.Outcome(rid, "t", result, 0, 0, 1, 0, report)
+
+    reports = [outcome("a", {"calls": 3, "captured": 2, "not_captured": {"no_logprobs": 1},
+                             "reasons": {"no_logprobs": "vLLM dropped them; use chat completions"}}),
+               outcome("b", {"calls": 2, "captured": 0, "not_captured": {"other_url": 2},
+                             "reasons": {"other_url": "http://x is not a capture URL"}}),
+               outcome("c", None), outcome("d", None, "failed")]
+    with caplog.at_level("WARNING", logger="lightspan.rollout.runner"):
+        summary = runner.capture_summary(reports)
+    assert summary == {"calls": 5, "captured": 2, "not_captured": {"no_logprobs": 1, "other_url": 2},
+                       "reasons": {"no_logprobs": "vLLM dropped them; use chat completions",
+                                   "other_url": "http://x is not a capture URL"},
+                       "rollouts_without_ids": ["b"], "rollouts_without_report": 1}
+    text = caplog.text
+    assert "1 LLM call(s) not captured (no_logprobs): vLLM dropped them; use chat completions" in text
+    assert "with LLM calls and no token ids" in text and "left no capture report" in text

@@ -439,6 +439,6 @@ def test_real_vllm_answers_decode_alike(vllm_server):
     assert _same(loads(body), data)
     with requests.post(url, json={**request, "stream": True}, timeout=60, stream=True) as resp:
         lines = [line[6:] for line in resp.iter_lines() if line.startswith(b"data: {")]
-    assert len(lines) >= 4
+    assert len(lines) >= 2   # (the engine puts several tokens in one chunk when the client lags)
     for line in lines:
         assert _same(loads(line.decode()), json.loads(line))

@@ -7,17 +7,13 @@ nested GenAI spans) against a mocked transport on a loopback URL, where capture 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightspan.tracing import emit_reward, rollout, semconv
 from lightspan.tracing.instrumentor import LightspanInstrumentor, should_capture, with_capture
+from tests.tracing.otel import _PROVIDER, _instrumented
 
 
 def test_capture_only_for_rl_endpoints():
@@ -44,34 +40,6 @@ def test_encoding_round_trip():
     assert len(semconv.encode_ids(ids)) == 4 * len(ids)
     lp = semconv.decode_floats(semconv.encode_floats([-0.5, -12.25]))
     assert lp == [-0.5, -12.25]
-
-
-# One provider and one traceloop instrumentation for the whole session: traceloop 0.62's
-# uninstrument() leaves its wrappers in place under openai 3.x, so instrumenting it again per test
-# would nest two of its spans around every call.
-_EXPORTER = InMemorySpanExporter()
-_PROVIDER = TracerProvider()
-_PROVIDER.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-
-
-@pytest.fixture(scope="session")
-def _traceloop():
-    from opentelemetry.instrumentation.openai import OpenAIInstrumentor
-
-    OpenAIInstrumentor().instrument(tracer_provider=_PROVIDER)
-
-
-@contextlib.contextmanager
-def _instrumented():
-    _EXPORTER.clear()
-    LightspanInstrumentor().instrument(tracer_provider=_PROVIDER)
-    previous = trace._TRACER_PROVIDER  # instrumentors take the provider; the global one cannot be reset
-    trace._TRACER_PROVIDER = _PROVIDER
-    try:
-        yield _EXPORTER
-    finally:
-        trace._TRACER_PROVIDER = previous
-        LightspanInstrumentor().uninstrument()
 
 
 @pytest.fixture()

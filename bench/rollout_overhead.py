@@ -1,0 +1,229 @@
+"""Benchmark: CPU per rollout of ``lightspan rollout`` in worker mode and in process mode, beside a
+bare ``python agent.py``, in the same run.
+
+    .venv/bin/python bench/rollout_overhead.py [--rollouts 32] [--rounds 5] [--concurrency 4]
+
+1. A stub server on loopback, in its own process, stands in for vLLM and the collector: it answers
+   ``POST /v1/chat/completions`` with a canned answer shaped as vLLM 0.32's (bench/capture_overhead.py's
+   bodies: with token ids and logprobs when the request asks for them), and ``POST /v1/traces`` as an
+   OTLP/HTTP receiver that decodes each request and keeps, per ``lightspan.rollout.id`` of the
+   resource (or of the runner's span), the names of its spans; ``GET /spans`` returns and clears them.
+   With a real model the server's time would dwarf and blur the client's.
+2. The agent, ``bench/agents/three_calls.py``: three chat calls with the openai client and a reward span.
+3. Each round runs, in turn, ``--rollouts`` rollouts three ways, on one task file of ``--rollouts``
+   tasks × 1 sample:
+   - **worker**: ``lightspan rollout --mode worker`` (``--concurrency`` at once);
+   - **process**: ``lightspan rollout --mode process`` (each rollout ``opentelemetry-instrument python agent.py``);
+   - **bare**: ``python agent.py`` once per task, one after the other, with the task in its environment
+     and no instrumentation (nothing exported).
+   The CPU time of each is user + system of the whole process tree, as the kernel accounts it to
+   the process this script waits for (``os.wait4``): every descendant was waited for by its parent,
+   so the runner, the zygote, the children, the launchers and the agents are all in it, and so is
+   the runner's own start-up. The order of the three rotates from round to round; the ratios
+   (worker / bare, process / bare) are taken within each round, so a drift of the machine's speed
+   hits both sides of a ratio alike. Reported: each round, then the medians.
+4. A check, every round: both modes exported, for every rollout, the same span names (the agent's
+   three ``openai.chat`` spans, its reward span, the runner's span), one rollout id per rollout.
+
+Prints a table and one JSON line, with the load average (1 min) before and after (the figures in
+bench/README.md, "Rollout overhead").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+AGENT = BENCH / "agents" / "three_calls.py"
+sys.path.insert(0, str(BENCH))
+
+
+def serve(port: int) -> None:
+    """The stub: canned chat answers, an OTLP/HTTP span sink (its own process)."""
+    from capture_overhead import _response_bodies
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    bodies = _response_bodies(64, 16)
+    spans: dict[str, list[str]] = defaultdict(list)
+    lock = threading.Lock()
+    ok = ExportTraceServiceResponse().SerializeToString()
+
+    def rollout_of(attributes) -> str | None:
+        return next((a.value.string_value for a in attributes if a.key == "lightspan.rollout.id"), None)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, body: bytes, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            with lock:
+                doc = dict(spans)
+                spans.clear()
+            self._send(json.dumps(doc).encode(), "application/json")
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path.endswith("/v1/traces"):
+                request = ExportTraceServiceRequest.FromString(raw)
+                with lock:
+                    for rs in request.resource_spans:
+                        resource = rollout_of(rs.resource.attributes)
+                        for ss in rs.scope_spans:
+                            for span in ss.spans:
+                                spans[resource or rollout_of(span.attributes) or "?"].append(span.name)
+                self._send(ok, "application/x-protobuf")
+                return
+            request = json.loads(raw)
+            body = bodies[(False, bool(request.get("return_token_ids")), bool(request.get("logprobs")))]
+            self._send(body, "application/json")
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_stub() -> tuple[subprocess.Popen, str]:
+    import requests
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            requests.get(f"http://127.0.0.1:{port}/spans", timeout=1)
+            return proc, f"http://127.0.0.1:{port}"
+        except requests.RequestException:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the stub server did not start")
+
+
+def _cpu(cmd: list[str], env: dict, cwd: str) -> tuple[float, float]:
+    """(CPU seconds of the process tree, wall seconds) of one command, its output discarded."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:6]} exited with {proc.returncode}")
+    return usage.ru_utime + usage.ru_stime, time.monotonic() - t0
+
+
+def measure(args) -> dict:
+    import requests
+
+    stub, url = _start_stub()
+    work = Path(tempfile.mkdtemp(prefix="lightspan-rollout-bench-"))
+    tasks = [{"id": f"t{i:03d}", "question": f"What is {i} + {i}?"} for i in range(args.rollouts)]
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    env = {**os.environ, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "langchain", "OPENAI_API_KEY": "bench"}
+    rollout = [sys.executable, "-m", "lightspan.cli", "rollout", "--tasks", str(work / "tasks.jsonl"),
+               "--samples", "1", "--concurrency", str(args.concurrency), "--otlp-endpoint", url,
+               "--openai-base-url", f"{url}/v1", "--data-dir", str(work), "--timeout-s", "120"]
+    agent = [sys.executable, str(AGENT)]
+
+    def worker():
+        return _cpu([*rollout, "--mode", "worker", "--", *agent], env, str(work))
+
+    def process():
+        return _cpu([*rollout, "--mode", "process", "--", *agent], env, str(work))
+
+    def bare():
+        cpu = wall = 0.0
+        for t in tasks:
+            c, w = _cpu(agent, {**env, "LIGHTSPAN_TASK": json.dumps(t), "OPENAI_BASE_URL": f"{url}/v1"}, str(work))
+            cpu, wall = cpu + c, wall + w
+        return cpu, wall
+
+    targets = {"worker": worker, "process": process, "bare": bare}
+    rounds, load = [], [os.getloadavg()[0]]
+    try:
+        requests.get(f"{url}/spans", timeout=5)
+        for r in range(args.rounds + 1):              # round 0 warms the page cache, not counted
+            order = list(targets)[r % 3:] + list(targets)[:r % 3]
+            row, shapes = {}, {}
+            for name in order:
+                cpu, wall = targets[name]()
+                row[name] = {"cpu_per_rollout": cpu / args.rollouts, "wall_s": wall}
+                if name != "bare":
+                    shapes[name] = _span_shapes(requests.get(f"{url}/spans", timeout=30).json(), args.rollouts)
+            if shapes["worker"] != shapes["process"]:
+                raise RuntimeError(f"worker and process mode exported different spans: {shapes}")
+            row["spans_per_rollout"] = shapes["worker"]
+            if r:
+                rounds.append(row)
+                print(f"round {r}: " + ", ".join(f"{k} {row[k]['cpu_per_rollout']:.3f} CPU-s/rollout"
+                                                  for k in targets), file=sys.stderr)
+    finally:
+        stub.kill()
+    load.append(os.getloadavg()[0])
+    med = {k: statistics.median(r[k]["cpu_per_rollout"] for r in rounds) for k in targets}
+    ratio = {f"{k}/bare": statistics.median(r[k]["cpu_per_rollout"] / r["bare"]["cpu_per_rollout"] for r in rounds)
+             for k in ("worker", "process")}
+    return {"rollouts": args.rollouts, "rounds": args.rounds, "concurrency": args.concurrency,
+            "median_cpu_per_rollout": med, "median_ratio": ratio, "spans_per_rollout": rounds[0]["spans_per_rollout"],
+            "rounds_detail": rounds, "load_1m": load}
+
+
+def _span_shapes(by_rollout: dict, n: int) -> dict:
+    """The multiset of span names per rollout, checked to be one shape for all ``n`` rollouts."""
+    shapes = Counter(tuple(sorted(names)) for rid, names in by_rollout.items() if rid != "?")
+    if sum(shapes.values()) != n or len(shapes) != 1:
+        raise RuntimeError(f"expected {n} rollouts of one shape, got {dict(shapes)} (unattributed: "
+                           f"{by_rollout.get('?')})")
+    return dict(Counter(next(iter(shapes))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=32, help="rollouts per mode and round (a demo step's 4 x 8)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    result = measure(args)
+    med, ratio = result["median_cpu_per_rollout"], result["median_ratio"]
+    print(f"{args.rollouts} rollouts x {args.rounds} rounds (load {result['load_1m'][0]:.1f} -> "
+          f"{result['load_1m'][1]:.1f}); CPU seconds per rollout, medians:")
+    print(f"  bare python agent.py        {med['bare']:.3f}")
+    print(f"  lightspan rollout (worker)  {med['worker']:.3f}   ({ratio['worker/bare']:.2f}x bare)")
+    print(f"  lightspan rollout (process) {med['process']:.3f}   ({ratio['process/bare']:.2f}x bare)")
+    print(f"  spans per rollout (both modes): {result['spans_per_rollout']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

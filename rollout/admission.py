@@ -1,0 +1,77 @@
+"""The gateway's shared state: who may call vLLM now, and which policy version it serves.
+
+:class:`Admission` holds the in-flight bound and the pause/drain of a weight update under one
+condition variable (the request handlers on the event loop and ``serve``'s signal handling on the
+main thread both use it); :class:`PolicyVersion` is the version recorded on the spans.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from lightspan import store
+
+
+class Admission:
+    """Pause/drain and the in-flight bound, under one condition variable (thread-safe)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight, self.paused = limit, 0, False
+        self.cond = threading.Condition()
+        self.counts = {"requests": 0, "refused_paused": 0, "refused_full": 0, "upstream_errors": 0}
+
+    def enter(self) -> str | None:
+        """None when admitted, else why not (``paused`` or ``full``)."""
+        with self.cond:
+            if self.paused:
+                self.counts["refused_paused"] += 1
+                return "paused"
+            if self.in_flight >= self.limit:
+                self.counts["refused_full"] += 1
+                return "full"
+            self.in_flight += 1
+            self.counts["requests"] += 1
+            return None
+
+    def leave(self) -> None:
+        with self.cond:
+            self.in_flight -= 1
+            self.cond.notify_all()
+
+    def pause(self, timeout_s: float) -> bool:
+        """Refuse new requests at once; True when the in-flight ones have all finished in time."""
+        with self.cond:
+            self.paused = True
+            return self.cond.wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+
+    def count(self, name: str) -> None:
+        with self.cond:
+            self.counts[name] += 1
+
+
+class PolicyVersion:
+    """The served policy version: set at resume, else ``policy.json`` (re-read when it changes)."""
+
+    def __init__(self, data_dir: str):
+        self.data_dir = data_dir
+        self.path = store.policy.path(data_dir)
+        self.override: int | None = None
+        self._cached: tuple[float, int | None] = (-1.0, None)
+
+    def get(self) -> int | None:
+        if self.override is not None:
+            return self.override
+        try:
+            mtime = self.path.stat().st_mtime
+        except OSError:
+            return 0  # no policy published yet: the initial model
+        if mtime != self._cached[0]:
+            published = store.policy.read(self.data_dir)
+            if published is None:      # unreadable: keep the version last read
+                return self._cached[1]
+            self._cached = (mtime, published.version)
+        return self._cached[1]

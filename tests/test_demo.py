@@ -1,0 +1,66 @@
+"""``lightspan demo`` is a preset of the experiment, and finds its agent in an installed wheel."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from lightspan import demo
+from lightspan.experiment import agent_command
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_preset_is_an_experiment_of_the_demo_tasks_agent_and_settings(tmp_path):
+    cfg = demo.DemoConfig(steps=3, tasks_per_step=2, samples=4, val_tasks=5, learning_rate=3e-5, seed=7, lora_r=8)
+    exp = demo.preset(cfg, tmp_path)
+    train, val = demo.make_tasks(7, 6, 5)
+    assert Path(exp.train_tasks).read_text().count("\n") == len(train) == 6
+    assert Path(exp.val_tasks).read_text().count("\n") == len(val) == 5
+    assert (exp.steps, exp.tasks_per_step, exp.samples, exp.learning_rate, exp.seed, exp.lora_r) == (3, 2, 4, 3e-5, 7, 8)
+    assert (exp.grpc_port, exp.http_port, exp.api_port, exp.vllm_port) == (4317, 4318, 8321, 8000)
+    # the agent runs with this interpreter, from where the package keeps it
+    assert agent_command(exp.agent) == [sys.executable, str(demo.agent_path())]
+    assert {t["question"] for t in train}.isdisjoint(t["question"] for t in val)
+
+
+def test_examples_math_agent_runs_the_packaged_agent():
+    wrapper = (ROOT / "examples" / "math_agent.py").read_text()
+    assert 'run_module("lightspan.agents.math_agent", run_name="__main__"' in wrapper
+    assert demo.agent_path() == ROOT / "lightspan" / "agents" / "math_agent.py"
+
+
+def test_a_wheel_installed_lightspan_finds_the_demo_agent(tmp_path):
+    """Build the wheel from the package's folders alone (as the Dockerfile copies them), install it
+    into a fresh directory, and resolve the agent there from another directory: it is the wheel's
+    own copy of the agent, not the source tree's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    for folder in folders:
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True)
+    wheel, = (tmp_path / "dist").glob("lightspan-*.whl")
+    assert "lightspan/agents/math_agent.py" in zipfile.ZipFile(wheel).namelist()
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", "import lightspan, lightspan.demo; print(lightspan.__file__); "
+                               "print(lightspan.demo.agent_path())"],
+        cwd=elsewhere, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, check=True,
+        capture_output=True, text=True).stdout.split()
+    package, agent = Path(out[0]), Path(out[1])
+    assert package.is_relative_to(site), package                  # the wheel's lightspan, not the checkout's
+    assert agent == site / "lightspan" / "agents" / "math_agent.py"
+    assert agent.read_bytes() == (ROOT / "lightspan" / "agents" / "math_agent.py").read_bytes()

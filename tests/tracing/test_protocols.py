@@ -1,0 +1,395 @@
+"""Every protocol an agent speaks, captured token-faithfully, against the session's real vLLM.
+
+The clients call a recording pass-through proxy in front of vLLM (tests/tracing/test_frameworks.py):
+what vLLM put on the wire is read there, by code written apart from lightspan's parsers, and the
+spans must hold exactly that. Per protocol (chat completions, the Responses API, Anthropic
+Messages) and per shape (a response, a stream; sync and async):
+
+- the stored prompt ids, completion ids and logprobs are vLLM's (Responses streams: the ids, and
+  ``no_logprobs`` with its reason, since vLLM drops the logprobs of tokens without text);
+- the caller gets what it gets without lightspan (the Anthropic client: what vLLM's own
+  ``/v1/messages`` answers, compared greedily);
+- tool turns (Responses ``function_call`` / ``function_call_output`` items, chat tool calls,
+  Anthropic ``tool_use`` / ``tool_result`` blocks) are on the span's messages, and two turns
+  around a tool call merge into one per-rollout sequence (lightningrl/sequences.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from lightspan.tracing import semconv
+from tests.tracing.otel import _instrumented
+from tests.tracing.test_frameworks import _f32, _Recorder, vllm_returned
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CALL_TEXT = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+# vLLM's structured outputs make the random tiny model write exactly that tool call, in the form the
+# chat template renders an assistant's tool call back: the next turn's prompt extends this one's
+FORCED = {"structured_outputs": {"regex": re.escape(CALL_TEXT)}}
+
+
+@pytest.fixture(scope="module")
+def recorder(vllm_server):
+    server = _Recorder(vllm_server.url)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture()
+def captured(_traceloop, recorder):
+    """(exporter, recorder) with traceloop's OpenAI instrumentation and lightspan's on one provider."""
+    with recorder.lock:
+        recorder.exchanges.clear()
+    with _instrumented() as exporter:
+        yield exporter, recorder
+
+
+def _exchanges(recorder, n: int) -> list:
+    """The recorder's exchanges once it holds ``n`` (it keeps one after relaying the answer: the
+    client can have it a moment before)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with recorder.lock:
+            if len(recorder.exchanges) >= n or time.monotonic() > deadline:
+                return list(recorder.exchanges)
+        time.sleep(0.01)
+
+
+def _calls(exporter) -> list:
+    """The LLM spans that carry a call (not the ones marked as another's duplicate), in start order."""
+    spans = [s for s in exporter.get_finished_spans()
+             if s.attributes.get(semconv.CAPTURE_STATUS) not in (None, "duplicate")]
+    return sorted(spans, key=lambda s: s.start_time)
+
+
+def _stored(span) -> tuple:
+    a = span.attributes
+    logprobs = a.get(semconv.COMPLETION_LOGPROBS)
+    return (tuple(semconv.decode_ids(a[semconv.PROMPT_TOKEN_IDS])),
+            tuple(semconv.decode_ids(a[semconv.COMPLETION_TOKEN_IDS][0])),
+            tuple(semconv.decode_floats(logprobs[0])) if logprobs else None)
+
+
+def responses_returned(exchange) -> tuple:
+    """(prompt ids, completion ids, logprobs of the output text) of one recorded Responses answer,
+    from its JSON body or its last SSE event (written apart from lightspan's parser)."""
+    _, _, ctype, body = exchange
+    if ctype.startswith("text/event-stream"):
+        events = [json.loads(line[len(b"data: "):]) for line in body.splitlines() if line.startswith(b"data: ")]
+        response = [e["response"] for e in events if e["type"] == "response.completed"][-1]
+    else:
+        response = json.loads(body)
+    prompt = response["input_messages"][0]["tokens"]
+    (completion,) = [m["tokens"] for m in response["output_messages"]]
+    logprobs = [lp["logprob"] for item in response["output"] if item["type"] == "message"
+                for part in item["content"] for lp in part.get("logprobs") or ()]
+    return tuple(prompt), tuple(completion), tuple(_f32(logprobs))
+
+
+def _openai(recorder, asynchronous=False):
+    from openai import AsyncOpenAI, OpenAI
+
+    return (AsyncOpenAI if asynchronous else OpenAI)(base_url=f"{recorder.url}/v1", api_key="x")
+
+
+def _anthropic(recorder, asynchronous=False):
+    import anthropic
+
+    return (anthropic.AsyncAnthropic if asynchronous else anthropic.Anthropic)(base_url=recorder.url, api_key="x")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+def test_chat_completions(captured, stream):
+    exporter, recorder = captured
+    out = _openai(recorder).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=6, stream=stream)
+    if stream:
+        assert all(c.choices[0].logprobs is None for c in out if c.choices)
+    else:
+        assert out.choices[0].logprobs is None and out.choices[0].model_extra.get("token_ids") is None
+    (span,) = _calls(exporter)
+    (exchange,) = _exchanges(recorder, 1)
+    path, sent = exchange[0], exchange[1]
+    assert path == "/v1/chat/completions" and sent["return_token_ids"] is True
+    assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
+
+
+@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_stream", "streaming_response"])
+def test_responses_api(captured, how):
+    exporter, recorder = captured
+    kwargs = dict(model="policy", input="Say hi.", max_output_tokens=6)
+    if how == "response":
+        out = _openai(recorder).responses.create(**kwargs)
+        # the caller asked for neither: vLLM's answer to such a request has them null
+        assert out.model_extra["input_messages"] is None and out.model_extra["output_messages"] is None
+        assert out.output[0].content[0].logprobs is None
+    elif how == "stream":
+        events = list(_openai(recorder).responses.create(**kwargs, stream=True))
+        assert events[-1].type == "response.completed" and events[-1].response.model_extra["input_messages"] is None
+        assert all(not getattr(e, "logprobs", None) for e in events)
+    elif how == "stream_manager":
+        with _openai(recorder).responses.stream(**kwargs) as stream:
+            list(stream)
+            assert stream.get_final_response().model_extra["output_messages"] is None
+    elif how == "async_stream":
+        async def run():
+            return [e async for e in await _openai(recorder, True).responses.create(**kwargs, stream=True)]
+        assert asyncio.run(run())[-1].type == "response.completed"
+    else:   # the OpenAI Agents SDK's streams: with_streaming_response, then parse()
+        async def run():
+            client = _openai(recorder, True)
+            async with client.responses.with_streaming_response.create(**kwargs, stream=True) as response:
+                return [e async for e in await response.parse()]
+        assert asyncio.run(run())[-1].type == "response.completed"
+    (span,) = _calls(exporter)
+    (exchange,) = _exchanges(recorder, 1)
+    path, sent = exchange[0], exchange[1]
+    assert path == "/v1/responses" and sent["enable_response_messages"] is True
+    assert sent["include"] == ["message.output_text.logprobs"]
+    prompt, completion, logprobs = responses_returned(exchange)
+    stored = _stored(span)
+    assert stored[:2] == (prompt, completion) and len(prompt) > 0 and len(completion) > 0
+    # the logprobs when vLLM gave one per token; it gives none for tokens without text (a stream's
+    # end-of-turn token, a reply whose text is empty), and the span says so
+    status = span.attributes[semconv.CAPTURE_STATUS]
+    assert status == ("ok" if len(logprobs) == len(completion) else "no_logprobs")
+    if status == "ok":
+        assert stored[2] == logprobs
+    else:
+        assert stored[2] is None and "Responses API" in span.attributes[semconv.CAPTURE_REASON]
+    assert span.attributes[semconv.GEN_AI_OPERATION_NAME] == "chat"
+    assert span.instrumentation_scope.name == "lightspan.instrumentor"
+
+
+@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_response"])
+def test_anthropic_messages(captured, how):
+    exporter, recorder = captured
+    kwargs = dict(model="policy", max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "hi"}])
+    if how == "response":
+        message = _anthropic(recorder).messages.create(**kwargs)
+    elif how == "stream":
+        events = list(_anthropic(recorder).messages.create(**kwargs, stream=True))
+        assert [e.type for e in events][:1] == ["message_start"] and events[-1].type == "message_stop"
+    elif how == "stream_manager":
+        with _anthropic(recorder).messages.stream(**kwargs) as stream:
+            "".join(stream.text_stream)
+            message = stream.get_final_message()
+    else:
+        message = asyncio.run(_anthropic(recorder, True).messages.create(**kwargs))
+    if how != "stream":
+        assert message.type == "message" and message.stop_reason == "max_tokens" and message.usage.output_tokens == 6
+    (span,) = _calls(exporter)
+    (exchange,) = _exchanges(recorder, 1)
+    path, sent = exchange[0], exchange[1]
+    # the converted request, with the capture fields; the system prompt leads it, as in vLLM's conversion
+    assert path == "/v1/chat/completions" and sent["return_token_ids"] is True
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
+    assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("max_tokens",)
+    # the anthropic SDK's own span of the call is marked as this one's duplicate
+    sdk = [s for s in exporter.get_finished_spans() if s.name == "anthropic.messages.create"]
+    assert all(s.attributes[semconv.CAPTURE_DUPLICATE_OF] == format(span.context.span_id, "016x") for s in sdk)
+
+
+WEATHER = [{"name": "get_weather", "description": "Get the weather.", "input_schema": TOOL_PARAMS}]
+ANTHROPIC_TOOL_TURN = [
+    {"role": "user", "content": "Weather in Tokyo?"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                       "input": {"city": "Tokyo"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+                                 {"type": "text", "text": "So?"}]}]
+
+
+@pytest.mark.parametrize("body", [
+    dict(messages=[{"role": "user", "content": "hi"}]),
+    dict(system=[{"type": "text", "text": "A"}, {"type": "text", "text": "B"}], tools=WEATHER,
+         messages=ANTHROPIC_TOOL_TURN),
+    dict(stop_sequences=["a"], tools=WEATHER, tool_choice={"type": "auto"}, messages=[{"role": "user", "content": "x"}]),
+], ids=["plain", "tool_turn", "tool_choice"])
+def test_anthropic_answers_as_vllms_own_messages_route(captured, vllm_server, body):
+    """Greedy, the caller gets through lightspan what vLLM's /v1/messages answers (ids aside)."""
+    import anthropic
+    from pydantic import TypeAdapter
+
+    exporter, recorder = captured
+    body = {"model": "policy", "max_tokens": 8, **body}
+    greedy = {"temperature": 0}   # (the anthropic client takes it as an extra field)
+    direct = httpx.post(f"{vllm_server.url}/v1/messages", json={**body, **greedy}, timeout=120).json()
+    expected = anthropic.types.Message.model_validate(direct).model_dump(exclude={"id"})
+    assert _anthropic(recorder).messages.create(**body, extra_body=greedy).model_dump(exclude={"id"}) == expected
+    with httpx.stream("POST", f"{vllm_server.url}/v1/messages", json={**body, **greedy, "stream": True}, timeout=120) as r:
+        direct_events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+
+    def dumped(events):
+        """The events, a block's consecutive deltas joined: how many tokens one delta holds depends on
+        the engine's timing (vLLM's own route differs from run to run too), not on the conversion."""
+        out = []
+        for e in (e.model_dump() for e in events):
+            last = out[-1] if out else None
+            if (last and e["type"] == last["type"] == "content_block_delta" and e["index"] == last["index"]
+                    and e["delta"]["type"] == last["delta"]["type"]):
+                key = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking"}[
+                    e["delta"]["type"]]
+                last["delta"][key] += e["delta"][key]
+            else:
+                out.append(e)
+        out[0]["message"].pop("id")
+        return out
+
+    ours = list(_anthropic(recorder).messages.create(**body, extra_body=greedy, stream=True))
+    assert dumped(ours) == dumped([adapter.validate_python(e) for e in direct_events])
+    calls = _calls(exporter)
+    assert [s.attributes[semconv.CAPTURE_STATUS] for s in calls] == ["ok", "ok"]
+    if body["messages"] is ANTHROPIC_TOOL_TURN:   # the tool turn is on the span's messages
+        messages = json.loads(calls[0].attributes[semconv.GEN_AI_INPUT_MESSAGES])
+        assert messages[-3:] == [
+            {"role": "assistant", "parts": [{"type": "text", "content": "Checking."}, {
+                "type": "tool_call", "id": "toolu_1", "name": "get_weather", "arguments": {"city": "Tokyo"}}]},
+            {"role": "tool", "parts": [{"type": "tool_call_response", "id": "toolu_1", "response": "Sunny"}]},
+            {"role": "user", "parts": [{"type": "text", "content": "So?"}]}]
+
+
+def test_an_anthropic_request_vllm_would_convert_otherwise_goes_as_it_is(captured):
+    exporter, recorder = captured
+    message = _anthropic(recorder).messages.create(
+        model="policy", max_tokens=4, messages=[{"role": "system", "content": "inline"},
+                                                {"role": "user", "content": "hi"}])
+    assert message.type == "message"
+    ((path, sent, _, _),) = _exchanges(recorder, 1)
+    assert path == "/v1/messages" and "return_token_ids" not in sent
+    (span,) = _calls(exporter)
+    assert span.attributes[semconv.CAPTURE_STATUS] == "unsupported_request"
+    assert "role 'system'" in span.attributes[semconv.CAPTURE_REASON]
+
+
+def _sequences(tmp_path, calls) -> list:
+    """The per-rollout transitions the builder makes of one rollout with these captured calls."""
+    from tests.lightningrl.helpers import build, call, reward, runner, write
+
+    rows = []
+    for rollout, value in (("r", 1.0), ("r2", 0.0)):   # a group of two: GRPO needs a sibling
+        rows += [call(rollout, 20 * i, 20 * i + 10, prompt=p, completion=c, logprobs=lp, tokens=lp is not None)
+                 for i, (p, c, lp) in enumerate(calls)]
+        rows += [reward(rollout, 100, value), runner(rollout, 110)]
+    write(tmp_path, rows)
+    table, _ = build(tmp_path, output="per_rollout")
+    return [t for t in table.to_pylist() if t["rollout_id"] == "r"]
+
+
+def test_chat_turns_around_a_tool_call_are_one_sequence(captured, tmp_path):
+    exporter, recorder = captured
+    client = _openai(recorder)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather.",
+                                               "parameters": TOOL_PARAMS}}]
+    history = [{"role": "user", "content": "Weather in Tokyo?"}]
+    first = client.chat.completions.create(model="policy", messages=history, tools=tools, max_tokens=120,
+                                           extra_body=FORCED)
+    (tool_call,) = first.choices[0].message.tool_calls
+    assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Tokyo"})
+    history += [first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": tool_call.id, "content": "Sunny"}]
+    client.chat.completions.create(model="policy", messages=history, tools=tools, max_tokens=6)
+    one, two = _calls(exporter)
+    (p1, c1, l1), (p2, c2, l2) = _stored(one), _stored(two)
+    assert p2[:len(p1) + len(c1)] == p1 + c1          # the template renders the tool call as sampled
+    messages = json.loads(two.attributes[semconv.GEN_AI_INPUT_MESSAGES])
+    assert messages[-2]["parts"][0]["type"] == "tool_call" and messages[-1] == {
+        "role": "tool", "parts": [{"type": "tool_call_response", "id": tool_call.id, "response": "Sunny"}]}
+    (sequence,) = _sequences(tmp_path, [(p1, c1, l1), (p2, c2, l2)])
+    between = len(p2) - len(p1) - len(c1)             # the tool's answer and the turn markers
+    assert sequence["num_calls"] == 2 and sequence["prompt_token_ids"] == list(p1)
+    assert sequence["completion_token_ids"] == list(c1) + list(p2[len(p1) + len(c1):]) + list(c2)
+    assert sequence["completion_mask"] == [1] * len(c1) + [0] * between + [1] * len(c2)
+
+
+def test_responses_turns_around_a_tool_call(captured, tmp_path):
+    """The function_call / function_call_output items render so the next prompt extends the last
+    turn; the tool-call turn carries no logprobs from vLLM, so it is context, not trained."""
+    exporter, recorder = captured
+    client = _openai(recorder)
+    tools = [{"type": "function", "name": "get_weather", "description": "Get the weather.", "parameters": TOOL_PARAMS}]
+    first = client.responses.create(model="policy", input="Weather in Tokyo?", tools=tools, max_output_tokens=120,
+                                    extra_body=FORCED)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    history = [{"role": "user", "content": "Weather in Tokyo?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    client.responses.create(model="policy", input=history, tools=tools, max_output_tokens=6)
+    one, two = _calls(exporter)
+    # traceloop starts its span of a completed call (the first; the second stops at its length limit)
+    # after the call, beside ours: marked as ours
+    theirs = [s for s in exporter.get_finished_spans() if s.name == "openai.response"]
+    assert [s.attributes.get(semconv.CAPTURE_DUPLICATE_OF) for s in theirs] == [format(one.context.span_id, "016x")]
+    assert one.attributes[semconv.CAPTURE_STATUS] == "no_logprobs"
+    assert two.attributes[semconv.CAPTURE_STATUS] == "ok"
+    (p1, c1, _), (p2, c2, l2) = _stored(one), _stored(two)
+    assert p2[:len(p1) + len(c1)] == p1 + c1
+    assert json.loads(one.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["parts"] == [
+        {"type": "tool_call", "id": call.call_id, "name": "get_weather", "arguments": {"city": "Tokyo"}}]
+    messages = json.loads(two.attributes[semconv.GEN_AI_INPUT_MESSAGES])
+    assert messages[1:] == [
+        {"role": "assistant", "parts": [{"type": "tool_call", "id": call.call_id, "name": "get_weather",
+                                         "arguments": {"city": "Tokyo"}}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": call.call_id, "response": "Sunny"}]}]
+    (sequence,) = _sequences(tmp_path, [(p1, c1, None), (p2, c2, l2)])
+    assert sequence["num_calls"] == 1 and sequence["prompt_token_ids"] == list(p2)
+
+
+def test_agent_lightnings_agents_get_the_ids_they_read(captured, monkeypatch):
+    """Agent Lightning's agents read ``choice.token_ids`` without asking (its proxy always adds
+    them): a call to AGL_OPENAI_BASE_URL gets them; the same call elsewhere does not."""
+    exporter, recorder = captured
+    client = _openai(recorder)
+    prompt = [256, 84, 82, 68]
+    plain = client.completions.create(model="policy", prompt=prompt, max_tokens=4)
+    monkeypatch.setenv("AGL_OPENAI_BASE_URL", f"http://localhost:{recorder.server_address[1]}/v1/")
+    agl = client.completions.create(model="policy", prompt=prompt, max_tokens=4)
+    chat = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert plain.choices[0].model_extra.get("token_ids") is None
+    assert len(agl.choices[0].model_extra["token_ids"]) == 4 and agl.choices[0].logprobs is not None
+    assert len(chat.choices[0].model_extra["token_ids"]) == 4 and chat.model_extra["prompt_token_ids"]
+    assert [s.attributes[semconv.CAPTURE_STATUS] for s in _calls(exporter)] == ["ok", "ok", "ok"]
+
+
+def test_behind_a_gateway_a_responses_call_sends_its_span(monkeypatch):
+    """LIGHTSPAN_CAPTURE_URLS=none: the gateway captures. traceloop's Responses span starts only
+    after the call and sends no trace context, so lightspan's own span of the call does: the
+    gateway's span is its child, and store/views.py keeps one row for the call."""
+    import httpx2
+    from openai import OpenAI
+
+    sent = []
+
+    def handler(request):
+        sent.append((dict(request.headers), json.loads(request.content)))
+        return httpx2.Response(200, json={"id": "r", "object": "response", "created_at": 0, "model": "policy",
+                                          "status": "completed", "output": [], "parallel_tool_calls": True,
+                                          "tool_choice": "auto", "tools": []})
+
+    monkeypatch.setenv("LIGHTSPAN_CAPTURE_URLS", "none")
+    with _instrumented() as exporter:
+        client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
+                        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+        client.responses.create(model="policy", input="hi")
+    ((headers, body),) = sent
+    assert "enable_response_messages" not in body and "include" not in body
+    (span,) = [s for s in exporter.get_finished_spans() if s.instrumentation_scope.name == "lightspan.instrumentor"]
+    assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")
+    assert semconv.CAPTURE_STATUS not in span.attributes

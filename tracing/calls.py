@@ -1,0 +1,298 @@
+"""One intercepted generation call: what to send (:func:`prepare`), where it is recorded (:class:`Call`).
+
+:func:`prepare` runs in the client's ``post`` before the request: it decides whether the call is
+captured (:mod:`.urls`), makes the capture of its API, rewrites the request (the capture fields;
+an Anthropic call converted to chat completions), and picks the span (:func:`.spans.target`).
+:class:`Call` then records the capture on the span when the answer (or its stream) ends, and
+counts the outcome (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from lightspan.tracing import capture_responses, hooks, messages, semconv, spans, urls
+from lightspan.tracing.capture import REASONS, Capture, with_capture
+from lightspan.tracing.capture_anthropic import AnthropicCapture
+from lightspan.tracing.capture_responses import ResponsesCapture
+from lightspan.tracing.report import CAPTURED, GATEWAY, OTHER_URL, REPORT
+
+log = logging.getLogger(__name__)
+
+_SYSTEMS = {"openai": "openai", "anthropic": "anthropic"}
+_INPUTS = {urls.CHAT: messages.chat_input, urls.TEXT_COMPLETION: messages.chat_input,
+           urls.RESPONSES: messages.responses_input, urls.MESSAGES: messages.anthropic_input}
+
+
+def model_version() -> int | None:
+    return _model_version(os.environ.get("LIGHTSPAN_MODEL_VERSION", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_version(raw: str) -> int | None:
+    version = raw.strip()
+    return int(version) if version.lstrip("-").isdigit() else None
+
+
+def served_policy(model: str | None) -> tuple[str | None, int | None]:
+    """(policy, version) that served a call to ``model``: with several policies served
+    (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
+    ``LIGHTSPAN_MODEL_VERSION``'s version."""
+    versions = _policy_versions(os.environ.get(semconv.POLICY_VERSIONS_ENV, ""))
+    if model in versions:
+        return model, versions[model]
+    return None, model_version()
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_versions(raw: str) -> dict[str, int]:
+    return semconv.parse_policy_versions(raw)
+
+
+def content_on() -> bool:
+    """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
+    switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
+    return all(os.environ.get(k, "").strip().lower() != "false"
+               for k in ("TRACELOOP_TRACE_CONTENT", "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+
+
+class Call:
+    """A call being captured: its capture, its span, and what its answer's reader needs."""
+
+    __slots__ = ("library", "api", "cap", "span", "owned", "output", "stream", "converted", "ended", "path")
+
+    def __init__(self, library: str, api: str, cap, stream: bool, converted: bool = False):
+        self.library, self.api, self.cap, self.stream, self.converted = library, api, cap, stream, converted
+        self.span, self.owned, self.output, self.ended, self.path = None, False, None, False, None
+
+    @property
+    def fed(self) -> int:
+        return self.cap.fed
+
+    def args(self, args: tuple) -> tuple:
+        """The positional arguments of ``post``, with the path a converted call goes to."""
+        return (self.path, *args[1:]) if self.path is not None and args else args
+
+    def unreadable(self) -> None:
+        log.debug("lightspan: unreadable response or stream chunk", exc_info=True)
+        self.cap.readable = False
+
+    def set_status(self, status: str, reason: bool = False) -> None:
+        if self.span.is_recording():
+            self.span.set_attribute(semconv.CAPTURE_STATUS, status)
+            if reason:
+                self.span.set_attribute(semconv.CAPTURE_REASON, REASONS[status])
+
+    def returned(self) -> None:
+        """The client's call returned: traceloop's Responses wrapper starts its span of it next."""
+        if self.api == urls.RESPONSES and self.owned:
+            spans.NESTING.responses_call.set(spans.span_id(self.span))
+
+    def passed(self, resp):
+        """A call this process does not capture (a gateway does) but holds a span for."""
+        self.returned()
+        if self.owned:
+            self.span.end()
+        return resp
+
+    def finish(self, complete: bool, counted: bool = False) -> None:
+        """The answer is in (``complete``) or the stream was left: record, count, end our span."""
+        if self.ended:
+            return
+        self.ended = True
+        if complete:
+            self._record()
+        else:
+            status = "unparsed_response" if counted else "stream_incomplete"
+            self.set_status(status, reason=True)
+            REPORT.count(status, REASONS[status])
+        if self.owned:
+            self.span.end()
+
+    def _record(self) -> None:
+        cap, span = self.cap, self.span
+        try:
+            if cap.readable:
+                # the model name the call went to (the answer's, else the request's) names its policy
+                policy, version = served_policy(cap.model or getattr(self.span, "attributes", {}).get(
+                    semconv.GEN_AI_REQUEST_MODEL))
+                attrs = cap.attributes(version)
+                if policy is not None:
+                    attrs[semconv.POLICY_NAME] = policy
+            else:
+                attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
+            if self.owned and cap.readable:
+                attrs.update(cap.genai_attributes())
+                out = self._output()
+                if out is not None:
+                    attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = messages.dumps(out)
+        except Exception:  # never break the agent's call over telemetry
+            log.debug("lightspan: could not record token ids", exc_info=True)
+            attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
+        if span.is_recording():
+            span.set_attributes(attrs)
+        status = attrs.get(semconv.CAPTURE_STATUS)
+        REPORT.count(status, attrs.get(semconv.CAPTURE_REASON) if status != CAPTURED else None)
+
+    def _output(self):
+        if self.api == urls.RESPONSES:
+            return messages.responses_output(self.cap.response, self.cap.finish_reason) if self.cap.response else None
+        if self.output is None:
+            return None
+        return self.output.messages(getattr(self.cap, "stop_reason", None))
+
+
+_LAST_BASE_URL: list = [None, ""]  # the base URL object seen last, its text
+
+
+def _base_url_text(instance) -> str:
+    """The client's base URL as text (``str()`` of an httpx URL costs more than the rest of
+    ``prepare``; a client's URL object is immutable, and most agents call one URL)."""
+    url = getattr(instance, "base_url", "")
+    if url is not _LAST_BASE_URL[0]:
+        _LAST_BASE_URL[:] = [url, str(url)]
+    return _LAST_BASE_URL[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _api(path: str, library: str) -> str | None:
+    return urls.api(path, library)
+
+
+@functools.lru_cache(maxsize=16)
+def _agl_base(raw: str):
+    return urls.canonical(raw) if raw.strip() else None
+
+
+def _agl(url: str) -> bool:
+    """A call to Agent Lightning's proxy URL: its agents read ids and logprobs without asking."""
+    base = _agl_base(os.environ.get("AGL_OPENAI_BASE_URL", ""))
+    target = urls.canonical(url) if base is not None else None
+    return target is not None and urls.covers(base, target)
+
+
+def _other_url_reason(base: str, raw: str) -> str:
+    configured = f"LIGHTSPAN_CAPTURE_URLS={raw}" if raw.strip() else "LIGHTSPAN_CAPTURE_URLS is unset: loopback servers"
+    return (f"{base} is not a capture URL ({configured}). To train on these calls, point the agent's base URL "
+            "at the vLLM server lightspan captures (lightspan rollout --openai-base-url), or add the URL to "
+            "LIGHTSPAN_CAPTURE_URLS; a hosted API's calls cannot be trained on")
+
+
+def _plain(body: dict) -> dict:
+    """An ``anthropic`` request body as JSON-ready data: anthropic 2.x hands ``post`` its arguments
+    with ``omit`` sentinels and pydantic blocks (a previous answer's ``content`` sent back)."""
+    try:
+        from anthropic._utils import prepare_request_data
+    except ImportError:   # older releases transform the body before post
+        return body
+    return prepare_request_data(body, location="body")
+
+
+def _can_convert(instance, stream: bool) -> str | None:
+    """Why an Anthropic call cannot be converted here, else None: its answer must pass through the
+    JSON hook (a response) or lightspan's decoder (a stream)."""
+    base = sys.modules.get("anthropic._base_client")
+    http = getattr(base, "httpx2", None) or getattr(base, "httpx", None)
+    if http is None or not hooks.hooked(http.Response):
+        return "a client whose HTTP library lightspan does not hook"
+    if stream:
+        from anthropic._streaming import SSEDecoder
+        if type(instance._make_sse_decoder()) is not SSEDecoder:
+            return "a client with a server-sent-event decoder of its own"
+    return None
+
+
+def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, instance):
+    """(call, request body to send) for a call bound for a capture URL."""
+    if api == urls.RESPONSES:
+        cap = ResponsesCapture.for_request(asked)
+        return Call(library, api, cap, stream), body if cap.unsupported else capture_responses.with_capture(body)
+    if api == urls.MESSAGES:
+        cap = AnthropicCapture(_plain(asked))
+        why = _can_convert(instance, stream) if cap.converted else None
+        if why:
+            cap.unsupported, cap.chat_body = why, None
+        return Call(library, api, cap, stream, converted=cap.converted), cap.request() if cap.converted else body
+    return Call(library, api, Capture.for_request(asked, api), stream), with_capture(body, api)
+
+
+def _open(call: Call, body: dict, library: str) -> None:
+    op = urls.OPERATION[call.api]
+    model = str(body.get("model") or "")
+
+    def start_attributes() -> dict:
+        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
+                 semconv.GEN_AI_SYSTEM: _SYSTEMS[library]}
+        if content_on():
+            try:
+                attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_INPUTS[call.api](body))
+            except Exception:
+                log.debug("lightspan: could not read the request's messages", exc_info=True)
+        return attrs
+
+    call.span, call.owned = spans.target(f"{op} {model}".strip(), start_attributes)
+
+
+def prepare(library: str, instance, args, kwargs):
+    """(call or None, the ``post`` keyword arguments to call with)."""
+    path = args[0] if args else kwargs.get("path", "")
+    body = kwargs.get("body")
+    if not isinstance(body, dict) or not isinstance(path, str):
+        return None, kwargs
+    api = _api(path, library)
+    if api is None:
+        return None, kwargs
+    raw = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
+    base = _base_url_text(instance)
+    url = urls.join(base, path)
+    options = kwargs.get("options")
+    if not urls.is_capture_url(url, raw):
+        return _not_captured(library, api, base, raw, body, options, kwargs)
+    stream = bool(kwargs.get("stream") or body.get("stream"))
+    extra = options.get("extra_json") if isinstance(options, dict) else None
+    # what the caller asked for: the client merges ``extra_body`` (``options["extra_json"]``) over the body
+    asked = {**body, **extra} if isinstance(extra, dict) and extra else body
+    call, sent = _capture(library, api, body, asked, stream, instance)
+    kwargs = {**kwargs, "body": sent}
+    if call.converted:
+        # the converted body holds the caller's extra_body already (it was converted from ``asked``)
+        kwargs["options"] = {k: v for k, v in options.items() if k != "extra_json"} if isinstance(options, dict) else options
+        chat_path = path[:path.rindex("/messages")] + "/chat/completions"
+        if args:
+            call.path = chat_path
+        else:
+            kwargs["path"] = chat_path
+    if api != urls.MESSAGES and _agl(url):
+        call.cap.caller_ids = call.cap.caller_logprobs = True
+    _open(call, call.cap.body if api == urls.MESSAGES else asked, library)
+    if call.owned and content_on() and (call.converted or api in (urls.CHAT, urls.TEXT_COMPLETION)):
+        call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
+    return call, kwargs
+
+
+def _not_captured(library: str, api: str, base: str, raw: str, body: dict, options, kwargs):
+    if not urls.gateway_mode(raw):
+        reason = _other_url_reason(base, raw)
+        REPORT.count(OTHER_URL, reason, url=base)
+        current = trace.get_current_span()   # the instrumentation's span of the call says so too
+        if spans.is_llm_span(current) and semconv.CAPTURE_STATUS not in current.attributes:
+            current.set_attributes({semconv.CAPTURE_STATUS: OTHER_URL, semconv.CAPTURE_REASON: reason})
+        return None, kwargs
+    REPORT.count(GATEWAY)
+    if api != urls.RESPONSES:
+        return None, kwargs
+    # traceloop's Responses span starts after the call and sends no trace context: a span of our own
+    # sends it, so the gateway's span of the call is its child and the call one row (store/views.py)
+    call = Call(library, api, None, False)
+    _open(call, body, library)
+    if call.owned:
+        headers = dict((options or {}).get("headers") or {}) if isinstance(options, dict) else {}
+        TraceContextTextMapPropagator().inject(headers, context=trace.set_span_in_context(call.span))
+        kwargs = {**kwargs, "options": {**(options if isinstance(options, dict) else {}), "headers": headers}}
+    return call, kwargs

@@ -1,0 +1,170 @@
+"""Captured streams: the client's own stream object, its server-sent-event decoder replaced.
+
+openai and anthropic build a stream's events with ``Stream._decoder`` (lazily, when the caller
+starts reading). lightspan puts a :class:`CapturedDecoder` there: the stream object the caller
+holds is the same one (isinstance checks, ``with`` blocks, ``.response`` and ``.close()`` are
+untouched), and its events are those the client's decoder would give, parsed from the bytes by
+:class:`~lightspan.tracing.sse.SSEParser` (checked against openai's decoder in
+tests/tracing/test_sse.py). Each event's ``json()`` decodes its data with lightspan and feeds the
+call's capture (``read``, from the instrumentor). A converted Anthropic call's stream is vLLM's chat
+completion stream: its decoder hands the client the Anthropic events made of each chunk instead.
+
+The capture is recorded when the stream's end is handed on (``[DONE]``, or the end of the bytes):
+every event before it has been decoded by then, and the OpenAI instrumentation ends its span only
+after the stream ends, so the attributes land first. A stream left before its end keeps
+``capture.status=stream_incomplete``. A decoder of the client's own (``_make_sse_decoder``
+overridden) is kept, and its events are read as they pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import orjson
+
+from lightspan.tracing.sse import SSEParser
+
+
+class CapturedDecoder:
+    """Replaces ``Stream._decoder`` for one captured call; ``call.finish(complete)`` records it."""
+
+    def __init__(self, inner, call, read, event_type: type, own: bool):
+        self.inner, self.call, self.read, self.event_type, self.own = inner, call, read, event_type, own
+        self.ended = False
+
+    def _make(self, name, data, id, retry):
+        return self.event_type(self.call, self.read, name, data, id, retry)
+
+    def _pass(self, sse) -> None:
+        """Before an event goes out: the capture is recorded as ``[DONE]`` goes; an event of the
+        client's own decoder is read into the capture (the client decodes its own copy)."""
+        if sse.data.startswith("[DONE]"):
+            self.end(True)
+        elif not self.own:
+            self.read(self.call, sse.data)
+
+    def end(self, complete: bool) -> None:
+        if not self.ended:
+            self.ended = True
+            self.call.finish(complete)
+
+    def _events(self, parser: SSEParser, chunk: bytes):
+        return parser.feed(chunk)
+
+    def iter_bytes(self, iterator):
+        try:
+            if self.own:
+                parser = SSEParser(self._make)
+                for chunk in iterator:
+                    for sse in self._events(parser, chunk):
+                        self._pass(sse)
+                        yield sse
+                    parser.check()
+                parser.finish()
+                parser.check()
+            else:
+                for sse in self.inner.iter_bytes(iterator):
+                    self._pass(sse)
+                    yield sse
+            self.end(True)
+        finally:
+            self.end(False)
+
+    async def aiter_bytes(self, iterator):
+        try:
+            if self.own:
+                parser = SSEParser(self._make)
+                async for chunk in iterator:
+                    for sse in self._events(parser, chunk):
+                        self._pass(sse)
+                        yield sse
+                    parser.check()
+                parser.finish()
+                parser.check()
+            else:
+                async for sse in self.inner.aiter_bytes(iterator):
+                    self._pass(sse)
+                    yield sse
+            self.end(True)
+        finally:
+            self.end(False)
+
+
+class ConvertedDecoder(CapturedDecoder):
+    """The decoder of a converted Anthropic call: vLLM's chat chunks in, Anthropic events out."""
+
+    def _events(self, parser: SSEParser, chunk: bytes):
+        out = []
+        for sse in parser.feed(chunk):
+            data = sse.data
+            if data.startswith("[DONE]"):
+                events = self.call.cap.end()
+                out += [self._converted(name, d) for name, d in events]
+                self.end(True)
+            elif data.startswith("{"):
+                chunk_json = self.read(self.call, data)
+                if type(chunk_json) is dict:
+                    out += [self._converted(name, d) for name, d in self.call.cap.events(chunk_json)]
+        return out
+
+    def _converted(self, name: str, data: dict):
+        return self.event_type(None, None, name, None, None, None, decoded=data)
+
+    def _pass(self, sse) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=4)
+def event_type(library: str) -> type:
+    """The client library's ``ServerSentEvent``, whose ``json()`` decodes with lightspan and feeds
+    the call (or, for a converted event, returns the event it already is)."""
+    if library == "anthropic":
+        from anthropic._streaming import ServerSentEvent
+    else:
+        from openai._streaming import ServerSentEvent
+
+    class CapturedEvent(ServerSentEvent):
+        def __init__(self, call, read, event, data, id, retry, decoded=None):
+            super().__init__(event=event, data=data, id=id, retry=retry)
+            self._lightspan = (call, read, decoded)
+
+        @property
+        def data(self) -> str:
+            # a converted event's text is made only if someone reads it (the client takes json())
+            if not self._data and self._lightspan[2] is not None:   # (anthropic's __init__ makes None "")
+                self._data = orjson.dumps(self._lightspan[2]).decode()
+            return self._data
+
+        def json(self):
+            call, read, decoded = self._lightspan
+            if decoded is not None:
+                return decoded
+            return read(call, self._data)
+
+    return CapturedEvent
+
+
+@functools.lru_cache(maxsize=4)
+def _own_decoder(library: str) -> type:
+    if library == "anthropic":
+        from anthropic._streaming import SSEDecoder
+    else:
+        from openai._streaming import SSEDecoder
+    return SSEDecoder
+
+
+def tap(stream, call, read) -> bool:
+    """Put a captured decoder on ``stream`` (an openai or anthropic ``Stream``); False when the
+    object is not a stream of parsed events (``with_streaming_response`` before ``parse()``)."""
+    state = getattr(stream, "__dict__", {})
+    decoder = state.get("_decoder")
+    # openai makes the events' generator in __init__ and it reads ``_decoder`` once iterated;
+    # anthropic makes it, on a copy of the stream, at first use: tap before that
+    if decoder is None or (call.library == "openai") != ("_iterator" in state):
+        return False
+    own = type(decoder) is _own_decoder(call.library)
+    kind = ConvertedDecoder if call.converted else CapturedDecoder
+    if call.converted and not own:
+        return False   # a decoder of the client's own cannot be handed converted events
+    stream._decoder = kind(decoder, call, read, event_type(call.library), own)
+    return True

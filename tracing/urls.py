@@ -1,0 +1,133 @@
+"""Which calls lightspan captures: the capture URLs, and the generation API a request path names.
+
+``LIGHTSPAN_CAPTURE_URLS`` lists base URLs (comma-separated); a call is captured when its URL (the
+client's base URL joined with the request's path) lies under one of them. Unset, every loopback
+server is a capture URL; ``none`` matches nothing (a lightspan gateway captures these calls).
+
+URLs are compared as an experienced user reads them, not as strings:
+
+- every loopback spelling is one host: ``localhost``, ``127.0.0.1`` (all of 127.0.0.0/8),
+  ``::1`` / ``[::1]``, and the wildcard addresses ``0.0.0.0`` / ``[::]``, which a client can only
+  reach on its own machine (a server started with ``--host 0.0.0.0`` is called that way);
+- the scheme's default port is the port when none is written (``http://h`` is ``http://h:80``);
+- scheme and host are case-insensitive; trailing slashes and empty path segments do not count;
+- a capture URL covers the paths below it, segment by segment (``/v1`` covers ``/v1/chat/...``,
+  not ``/v10``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+CHAT = "chat"
+TEXT_COMPLETION = "text_completion"
+RESPONSES = "responses"
+MESSAGES = "messages"
+"""The generation APIs lightspan captures: OpenAI chat completions, completions and Responses, and
+Anthropic Messages (``messages`` is reached only through the ``anthropic`` client)."""
+
+OPERATION = {CHAT: "chat", TEXT_COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat"}
+"""``gen_ai.operation.name`` of each API's calls (the GenAI conventions call all three chat APIs ``chat``)."""
+
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
+                             "::1", "0.0.0.0", "::", "0:0:0:0:0:0:0:1"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+LOOPBACK = "loopback"
+
+
+def is_loopback(host: str) -> bool:
+    host = host.lower().strip("[]")
+    return host in _LOOPBACK_NAMES or host.startswith("127.") or host.startswith("::ffff:127.")
+
+
+@functools.lru_cache(maxsize=512)
+def canonical(url: str) -> tuple[str, str, int, tuple[str, ...]] | None:
+    """(scheme, host, port, path segments) of ``url``; loopback hosts become ``loopback``. None when
+    ``url`` names no host. A URL written without a scheme is read as ``http://``."""
+    text = str(url).strip()
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:  # a port that is not a number
+        return None
+    host = (parts.hostname or "").lower()
+    if not host:
+        return None
+    scheme = parts.scheme.lower()
+    if port is None:
+        port = _DEFAULT_PORTS.get(scheme, 0)
+    segments = tuple(s for s in parts.path.split("/") if s)
+    return scheme, LOOPBACK if is_loopback(host) else host, port, segments
+
+
+def covers(base: tuple, url: tuple) -> bool:
+    """Whether canonical URL ``url`` lies under canonical base URL ``base``."""
+    return base[:3] == url[:3] and url[3][:len(base[3])] == base[3]
+
+
+@functools.lru_cache(maxsize=16)
+def parse_capture_urls(raw: str) -> tuple | None:
+    """The canonical capture URLs of a ``LIGHTSPAN_CAPTURE_URLS`` value; None when unset (loopback)."""
+    entries = [u.strip() for u in raw.split(",") if u.strip()]
+    if not entries:
+        return None
+    urls = []
+    for entry in entries:
+        if entry.lower() == "none":
+            continue
+        url = canonical(entry)
+        if url is None:
+            log.warning("lightspan: LIGHTSPAN_CAPTURE_URLS entry %r names no host; it is ignored "
+                        "(write base URLs such as http://127.0.0.1:8000/v1, comma-separated)", entry)
+            continue
+        urls.append(url)
+    return tuple(urls)
+
+
+def api(path: str, client: str = "openai") -> str | None:
+    """The generation API a request path of ``client`` (``openai`` or ``anthropic``) calls, else None.
+
+    openai: ``…/chat/completions``, ``…/completions``, ``…/responses`` (not ``/responses/{id}``);
+    anthropic: ``…/messages`` (not ``/messages/count_tokens`` or batches). The Assistants API's
+    ``/threads/{id}/messages`` is an openai path, hence the client."""
+    path = "/" + str(path).split("?", 1)[0].strip("/")
+    if client == "anthropic":
+        return MESSAGES if path.endswith("/messages") else None
+    if path.endswith("/chat/completions"):
+        return CHAT
+    if path.endswith("/completions"):
+        return TEXT_COMPLETION
+    if path.endswith("/responses"):
+        return RESPONSES
+    return None
+
+
+def join(base_url: str, path: str) -> str:
+    """The URL a client calls: its base URL and the request's path (a path that is a URL is kept)."""
+    if "://" in path:
+        return path
+    return str(base_url).rstrip("/") + "/" + str(path).lstrip("/")
+
+
+@functools.lru_cache(maxsize=256)
+def is_capture_url(url: str, urls_raw: str) -> bool:
+    """Whether a call to ``url`` is captured under ``LIGHTSPAN_CAPTURE_URLS=urls_raw`` (cached: a
+    client calls a few URLs many times; the variable's value is part of the key)."""
+    target = canonical(url)
+    if target is None:
+        return False
+    urls = parse_capture_urls(urls_raw)
+    if urls is None:
+        return target[1] == LOOPBACK
+    return any(covers(base, target) for base in urls)
+
+
+def gateway_mode(urls_raw: str) -> bool:
+    """``LIGHTSPAN_CAPTURE_URLS=none``: a lightspan gateway captures the calls, this process does not."""
+    return urls_raw.strip().lower() == "none"
