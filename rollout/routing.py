@@ -5,17 +5,12 @@ policy's name as its model. An agent that cannot be told which model to call (it
 or several agents share one base URL) can be routed instead: the proxy knows the caller's agent
 (the ``x-lightspan-agent`` header, ``semconv.AGENT_HEADER``) and sends the call to the model of the
 policy that owns it (:func:`served_model`). Either way the call's span records the policy and the
-version that served it (:func:`call_attributes`), from the model name the call went to and
+version that served it (:func:`served_attributes`), from the model name the call went to and
 policy.json (``store.policy.read_all``).
 
-Wiring, in the gateway's handler of a generation request (body parsed, before forwarding)::
-
-    agent = headers.get(semconv.AGENT_HEADER)
-    body["model"] = served_model(policies, agent, body.get("model"))   # policies: store.policies.load(...)
-    span.set_attributes(call_attributes(store.policy.read_all(data_dir), body["model"]))
-
-where the second line replaces the one served version it records today (``_PolicyVersion``) when a
-policies file is configured; without one, nothing changes.
+The gateway (rollout/gateway.py) does both for each generation call: the model it sends is
+:func:`served_model` of the agent its caller names, and the call's span gets
+:func:`served_attributes` of that model and policy.json (read when it changes).
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ def served_model(policies: tuple[PolicyConfig, ...], agent: str | None, requeste
     return policy.name if policy is not None else requested
 
 
-def call_attributes(published: Mapping[str, Policy], model: str | None) -> dict:
+def served_attributes(published: Mapping[str, Policy], model: str | None) -> dict:
     """The span attributes of a call served as ``model``: the named policy serving that model name and
     its version (``lightspan.policy.name``, ``lightspan.model.version``); {} for any other model."""
     policy = served_by(published, model)

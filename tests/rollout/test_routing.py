@@ -11,7 +11,7 @@ import pytest
 from lightspan import store
 from lightspan.config import ConfigError
 from lightspan.rollout import runner
-from lightspan.rollout.routing import call_attributes, served_model
+from lightspan.rollout.routing import served_attributes, served_model
 from lightspan.store.policies import PolicyConfig, validate
 from lightspan.tracing import calls, semconv
 
@@ -54,9 +54,9 @@ def test_a_proxy_routes_an_agents_calls_to_the_policy_that_owns_it(tmp_path):
     assert served_model(POLICIES, None, "policy") == "policy" and served_model((), "sql_writer", "x") == "x"
     store.policy.write(tmp_path, 2, tmp_path / "w2", name="writer")
     published = store.policy.read_all(tmp_path)
-    assert call_attributes(published, "writer") == {semconv.POLICY_NAME: "writer", semconv.MODEL_VERSION: 2}
-    assert call_attributes(published, "writer-v1") == {semconv.POLICY_NAME: "writer", semconv.MODEL_VERSION: 1}
-    assert call_attributes(published, "policy-base") == {}
+    assert served_attributes(published, "writer") == {semconv.POLICY_NAME: "writer", semconv.MODEL_VERSION: 2}
+    assert served_attributes(published, "writer-v1") == {semconv.POLICY_NAME: "writer", semconv.MODEL_VERSION: 1}
+    assert served_attributes(published, "policy-base") == {}
 
 
 def test_an_agent_two_patterns_claim_is_a_config_error():

@@ -1,5 +1,6 @@
 """Two policies over the tiny model in one real vLLM (trainer/policies.py, store/policy.py, the
-builder's per-policy passes, the runner's and the instrumentor's policy versions).
+builder's per-policy passes, the runner's and the instrumentor's policy versions, the gateway's
+routing by agent).
 
 This module starts its own vLLM with ``--enable-lora`` and the policies file (``lightspan vllm
 --policies``): the base is served as ``policy-base``, the adapters as ``writer`` and ``checker``.
@@ -222,6 +223,53 @@ def test_a_rollout_with_both_agents_trains_both_policies(lora_vllm, tiny_model, 
     assert [s[:3] for s in steps] == [("checker", 1, 4), ("writer", 1, 4)], steps
     assert all(s[3] < 1e-4 for s in steps), steps
     assert store.policy.served_versions(data) == {"writer": 1, "checker": 1}
+
+
+def test_the_gateway_routes_each_agents_calls_to_its_policy(lora_vllm, tiny_model, tmp_path, policies_file):
+    """An agent behind the gateway names itself (x-lightspan-agent): its call goes to the model of the
+    policy that owns it, whatever model it asked for, and the span records that policy and version;
+    a call to a policy's name records it too; another agent's call goes where it asked, unrecorded."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from lightspan.config import ConfigError
+    from lightspan.rollout.gateway import Gateway, GatewayConfig
+    from lightspan.tracing import semconv
+
+    data = tmp_path / "data"
+    trainers = PolicyTrainers(make_config(tmp_path, tiny_model, lora_vllm.url, policies_file))
+    trainers.load_or_init()
+    trainers.start()                                    # publishes (and serves) version 0 of each
+    store.policy.write(data, 4, store.policy.read(data, "checker").path, name="checker")   # as if trained
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gw = Gateway(GatewayConfig(upstream=lora_vllm.url, port=0, data_dir=str(data), policies=str(policies_file)),
+                 provider)
+    url = gw.start()
+    try:
+        def call(model, agent=None):
+            exporter.clear()
+            resp = requests.post(f"{url}/v1/chat/completions", timeout=60,
+                                 headers={"x-lightspan-agent": agent} if agent else {},
+                                 json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+            (span,) = exporter.get_finished_spans()
+            a = span.attributes
+            assert a[semconv.CAPTURE_STATUS] == "ok" and a[semconv.GEN_AI_REQUEST_MODEL] == resp.json()["model"]
+            return (resp.json()["model"], a.get(semconv.GEN_AI_AGENT_NAME), a.get(semconv.POLICY_NAME),
+                    a.get(semconv.MODEL_VERSION))
+
+        assert call("policy-base", "checker") == ("checker", "checker", "checker", 4)
+        assert call("checker", "writer") == ("writer", "writer", "writer", 0)      # ownership decides
+        assert call("writer") == ("writer", None, "writer", 0)                    # by its model name
+        # an agent no policy owns: the model it asked for, and no policy or version (only named ones are served)
+        assert call("policy-base", "planner") == ("policy-base", "planner", None, None)
+    finally:
+        gw.stop()
+    with pytest.raises(ConfigError, match="policies"):
+        GatewayConfig(policies=str(tmp_path / "missing.toml"))
 
 
 # --- configuration: fails at start-up, naming the field ------------------------------------------
