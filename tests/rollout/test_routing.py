@@ -63,3 +63,27 @@ def test_an_agent_two_patterns_claim_is_a_config_error():
     policies = validate([PolicyConfig(name="a", agent_match="^x"), PolicyConfig(name="b", agent_match="y$")])
     with pytest.raises(ConfigError, match="owned by policies 'a' and 'b'"):
         served_model(policies, "xy", "m")
+
+
+def test_the_gateway_refuses_a_call_it_cannot_route_and_reaches_no_upstream(tmp_path):
+    """Two policies' patterns claim the caller's agent: 400 naming both, before anything is sent (the
+    upstream here does not exist: a forwarded call would be a 502)."""
+    import requests
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from lightspan.rollout.gateway import Gateway, GatewayConfig
+
+    file = tmp_path / "policies.toml"
+    file.write_text('[[policies]]\nname = "a"\nagent_match = "^x"\n\n[[policies]]\nname = "b"\nagent_match = "y$"\n')
+    gw = Gateway(GatewayConfig(upstream="http://127.0.0.1:9", port=0, data_dir=str(tmp_path), policies=str(file)),
+                 TracerProvider())
+    url = gw.start()
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        resp = requests.post(f"{url}/v1/chat/completions", json=body, headers={"x-lightspan-agent": "xy"}, timeout=30)
+        assert resp.status_code == 400 and "owned by policies 'a' and 'b'" in resp.json()["error"]["message"]
+        # an agent one policy owns is routed and forwarded (the missing upstream answers 502)
+        resp = requests.post(f"{url}/v1/chat/completions", json=body, headers={"x-lightspan-agent": "xa"}, timeout=30)
+        assert resp.status_code == 502
+    finally:
+        gw.stop()
