@@ -27,6 +27,10 @@ Targets, one after the other, each in its own process (the load generator keeps 
 3. ``lightspan-nofsync`` (unless ``--targets`` leaves it out): the same collector with the WAL's
    fsync replaced by a no-op in its process, to separate the price of durability from the price
    of flattening. Not a configuration anyone should run.
+4. ``bucket`` (only when named in ``--targets``): the same collector writing its Parquet to an
+   S3-compatible bucket (``s3://bench/…``, WAL on local disk) served by moto's S3 server
+   (tests/s3server.py), which this script starts on loopback: a Python server on the same cores,
+   so the numbers are a floor for a real object store elsewhere.
 
 Printed: spans/s and MB/s acknowledged, p50/p99 export latency, refusals, and the ratios to the
 baseline. The targets share the machine with the senders, as in a one-box deployment.
@@ -243,7 +247,8 @@ def _use_tree(tree: str) -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None, transport: str = "grpc") -> None:
+def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None, transport: str = "grpc",
+               bucket: str | None = None) -> None:
     if tree:
         _use_tree(tree)
     from lightspan import store
@@ -254,7 +259,9 @@ def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None,
     if not fsync:
         WAL._fsync = lambda self, fd: None           # this process only: measures what durability costs
 
-    collector = Collector(CollectorConfig(data_dir=data_dir, grpc_port=0, http_port=0, api_port=0)).start()
+    where = {"data_dir": bucket, "wal_dir": str(Path(data_dir) / "wal"), "collector_id": "bench"} if bucket \
+        else {"data_dir": data_dir}
+    collector = Collector(CollectorConfig(**where, grpc_port=0, http_port=0, api_port=0)).start()
     if tree:
         import lightspan.collector.server as module
         assert str(Path(module.__file__).resolve()).startswith(str(Path(tree).resolve())), module.__file__
@@ -264,9 +271,13 @@ def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None,
     collector.stop()                                 # the final flush: everything acknowledged → Parquet
     stop_s = time.monotonic() - start
     snap = collector.metrics.snapshot()
-    files = [str(p) for p in Path(data_dir, "spans").rglob("*.parquet")]
-    con = store.connect(data_dir)
-    rows = con.execute(f"SELECT count(*) FROM read_parquet({files})").fetchone()[0] if files else 0
+    if bucket:
+        con = store.connect(bucket)
+        rows = con.execute("SELECT count(*) FROM spans").fetchone()[0]
+    else:
+        files = [str(p) for p in Path(data_dir, "spans").rglob("*.parquet")]
+        con = store.connect(data_dir)
+        rows = con.execute(f"SELECT count(*) FROM read_parquet({files})").fetchone()[0] if files else 0
     con.close()
     conn.send({"spans_accepted": snap["spans_accepted_total"], "spans_in_parquet": rows,
                "fsyncs": snap_fsyncs(collector), "stop_s": stop_s,
@@ -296,7 +307,8 @@ def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
             target = (_baseline, (child,))
         else:
             tree = args.compare_tree if name == "tree" else None
-            target = (_lightspan, (child, data_dir, name != "lightspan-nofsync", tree, args.transport))
+            bucket = f"s3://bench/run-{os.urandom(4).hex()}" if name == "bucket" else None
+            target = (_lightspan, (child, data_dir, name != "lightspan-nofsync", tree, args.transport, bucket))
         process = ctx.Process(target=target[0], args=target[1], daemon=True)
         process.start()
         try:
@@ -323,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512, help="spans per export request")
     parser.add_argument("--payloads", type=int, default=6, help="distinct pre-built requests, sent round-robin")
     parser.add_argument("--targets", default="baseline,lightspan,lightspan-nofsync",
-                        help="comma-separated, from baseline, lightspan, lightspan-nofsync, tree (lightspan needed)")
+                        help="comma-separated, from baseline, lightspan, lightspan-nofsync, tree, bucket (lightspan needed)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per target, alternating their order; the median run is reported")
     parser.add_argument("--transport", default="grpc", choices=["grpc", "http"], help="OTLP/gRPC or OTLP/HTTP protobuf")
@@ -345,14 +357,26 @@ def main(argv: list[str] | None = None) -> int:
         payloads.append((payload, mark))
     span_bytes = sum(len(p) for p, _ in payloads) / (len(payloads) * args.batch)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync", "tree"}
+    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync", "tree", "bucket"}
     if unknown or "lightspan" not in targets or ("tree" in targets) != bool(args.compare_tree):
         parser.error(f"--targets: need lightspan, may add baseline, lightspan-nofsync, and tree with --compare-tree; "
                      f"got {targets}")
+    s3 = None
+    if "bucket" in targets:          # a real S3-API server on loopback; the spawned collector inherits its env
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.s3server import S3Server
+
+        s3 = S3Server(Path(tempfile.gettempdir()) / "lightspan-bench-s3.log").start()
+        os.environ.update(s3.env)
+        s3.create_bucket("bench")
     runs: dict[str, list[dict]] = {name: [] for name in targets}
-    for r in range(args.repeat):   # alternating order, so neither target always runs on a warmer machine
-        for name in (targets if r % 2 == 0 else targets[::-1]):
-            runs[name].append(run_target(name, args, payloads))
+    try:
+        for r in range(args.repeat):   # alternating order, so neither target always runs on a warmer machine
+            for name in (targets if r % 2 == 0 else targets[::-1]):
+                runs[name].append(run_target(name, args, payloads))
+    finally:
+        if s3 is not None:
+            s3.stop()
     results = {name: _median_run(rs) for name, rs in runs.items()}
     reference = "baseline" if "baseline" in results else "tree" if "tree" in results else "lightspan"
     ratio = results["lightspan"]["spans_per_s"] / results[reference]["spans_per_s"]
@@ -385,9 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         if "lightspan-nofsync" in results:
             print(f"lightspan / lightspan-nofsync = "
                   f"{results['lightspan']['spans_per_s'] / results['lightspan-nofsync']['spans_per_s']:.2f}")
-        print(f"lightspan: {server['spans_accepted']} spans acknowledged, {server['spans_in_parquet']} in Parquet "
-              f"after stop ({'nothing lost' if complete else 'MISSING SPANS'}), {server['fsyncs']} fsyncs, "
-              f"final flush {server['stop_s']:.1f} s")
+        for name in [n for n in ("lightspan", "bucket") if n in results]:
+            server = results[name]["server"]
+            print(f"{name}: {server['spans_accepted']} spans acknowledged, {server['spans_in_parquet']} in Parquet "
+                  f"after stop ({'nothing lost' if server['spans_in_parquet'] >= server['spans_accepted'] else 'MISSING SPANS'}), "
+                  f"{server['fsyncs']} fsyncs, final flush {server['stop_s']:.1f} s")
         print(f"total {time.monotonic() - started:.0f} s")
     return 0 if complete else 1
 

@@ -3,6 +3,7 @@
 Usage (from the repository root; ≈ 1 min with the defaults)::
 
     .venv/bin/python bench/collector_query.py [--spans 1000000] [--files 20] [--repeat 5]
+    .venv/bin/python bench/collector_query.py --bucket      # + the same files in an S3-compatible bucket
 
 Data: ``--spans`` GenAI-shaped span rows (100,000 rollouts of 10 spans, 10 services, 1,000
 tasks, token counts, a reward on one span per rollout; no token-id lists: the group-bys do not
@@ -21,6 +22,12 @@ connection opened: the collector deduplicates on (trace_id, span_id) when it wri
 needs no window; see collector/dedup.py) and straight over a glob of the Parquet files; and, as a peer run
 side by side, the same queries in SQLite (what Arize Phoenix stores spans in by default) over
 the same rows in one table with no index.
+
+With ``--bucket`` the same files are also written to a bucket of moto's S3 server (tests/s3server.py),
+started on loopback, and the queries run side by side over it: through the views of
+``store.connect("s3://…")`` (pyarrow datasets over the objects, lightspan.store.objects) and, for the
+choice those views made, through DuckDB's ``read_parquet`` of the same objects by name via fsspec's
+wrapper of the same pyarrow filesystem. Requests are counted from the server's log.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=20, help="Parquet files, as from that many flushes")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the data goes (a temporary directory inside it)")
+    parser.add_argument("--bucket", action="store_true", help="also over an S3-compatible bucket (moto, on loopback)")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
@@ -128,8 +136,55 @@ def main(argv: list[str] | None = None) -> int:
             ok &= len(v_rows) == len(p_rows) == len(s_rows)
             print(f"{name:<20} {v_best * 1e3:>7.0f} / {v_med * 1e3:>4.0f} ms {p_best * 1e3:>8.0f} / {p_med * 1e3:>4.0f} ms "
                   f"{s_best * 1e3:>7.0f} / {s_med * 1e3:>4.0f} ms {len(v_rows):>8}")
+        if args.bucket:
+            ok &= bucket_queries(root, con, args.repeat)
         print("results agree" if ok else "RESULTS DIFFER")
     return 0 if ok else 1
+
+
+def _rounded(rows) -> list:
+    """Rows comparable across engines: floats summed in another order differ in the last digits."""
+    return sorted(tuple(round(v, 6) if isinstance(v, float) else v for v in row) for row in rows)
+
+
+def bucket_queries(root: str, local, repeat: int) -> bool:
+    """The same files in a bucket: the views over it, and read_parquet by name through fsspec."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.s3server import S3Server, aws_environment
+
+    from lightspan.store import objects
+
+    server = S3Server(Path(root) / "s3.log").start()
+    try:
+        with aws_environment(server.env):
+            location = server.create_bucket("bench") + "/lightspan"
+            start = time.perf_counter()
+            for path in sorted(Path(root, "spans").rglob("*.parquet")):
+                objects.put_bytes(f"{location}/spans/{path.relative_to(Path(root, 'spans'))}", path.read_bytes())
+            print(f"uploaded in {time.perf_counter() - start:.1f} s")
+            requests = lambda: len((Path(root) / "s3.log").read_text().splitlines())  # noqa: E731
+            c_best, c_med, con = timed(lambda: store.connect(location), repeat)
+            fsspec = store.connect(location)            # registers the filesystem for read_parquet
+            listing = store.quote_list(store.table_files(location, "spans"))
+            by_name = f"read_parquet({listing})"
+            print(f"store.connect('s3://…'): {c_best * 1e3:.0f} / {c_med * 1e3:.0f} ms")
+            print(f"{'query (bucket)':<20} {'local view':>16} {'bucket view':>18} {'read_parquet+fsspec':>22} "
+                  f"{'requests':>10}")
+            ok = True
+            for name, sql in QUERIES.items():
+                l_best, l_med, l_rows = timed(lambda sql=sql: local.execute(sql.format(spans="spans")).fetchall(), repeat)
+                before = requests()
+                b_best, b_med, b_rows = timed(lambda sql=sql: con.execute(sql.format(spans="spans")).fetchall(), repeat)
+                view_requests = (requests() - before) / repeat
+                before = requests()
+                f_best, f_med, f_rows = timed(lambda sql=sql: fsspec.execute(sql.format(spans=by_name)).fetchall(), repeat)
+                fs_requests = (requests() - before) / repeat
+                ok &= _rounded(l_rows) == _rounded(b_rows) == _rounded(f_rows)
+                print(f"{name:<20} {l_best * 1e3:>7.0f} / {l_med * 1e3:>4.0f} ms {b_best * 1e3:>8.0f} / {b_med * 1e3:>4.0f} ms "
+                      f"{f_best * 1e3:>11.0f} / {f_med * 1e3:>4.0f} ms {view_requests:>4.0f} / {fs_requests:<4.0f}")
+            return ok
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The API's two data endpoints, as functions the HTTP transport calls.
 
-``POST /v1/rewards`` — late rewards keyed by rollout id (DESIGN.md §3.4). Each reward becomes
+``POST /v1/rewards`` — late rewards keyed by rollout id (docs/architecture.md, "Delivery"). Each reward becomes
 one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``lightspan.reward``,
 ``lightspan.reward.name``) in an ordinary ``ExportTraceServiceRequest`` that goes through the
 collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the
@@ -287,12 +287,13 @@ SQL_MEMORY_LIMIT = 512 << 20
 def sql_connection(data_dir: str | Path, memory_limit: int = SQL_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
     """A connection with the store's views whose external access is off and locked, with
     ``memory_limit`` bytes for DuckDB's buffers and no spilling to disk."""
-    root = Path(data_dir).resolve()
-    con = store.connect(root)          # the views read the data directory's Parquet files...
+    root = store.data_dir(data_dir)
+    root = root if store.is_remote(root) else root.resolve()
+    con = store.connect(root)          # the views read the data location's Parquet files...
     try:
         con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
         con.execute(f"SET threads = {SQL_THREADS}")
-        allowed = ", ".join(store.quote(str(root / table) + "/") for table in store.TABLES)
+        allowed = ", ".join(store.quote(f"{root}/{table}/") for table in store.TABLES)
         con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")            # a query cannot SET it back

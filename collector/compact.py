@@ -1,4 +1,4 @@
-"""Compaction and retention of the collector's date partitions (DESIGN.md §3.2).
+"""Compaction and retention of the collector's date partitions (docs/architecture.md, "Storage").
 
 Each flush writes one file per date partition, so a day of ingest is thousands of small files
 and every query pays to open them. :func:`compact_partition` merges the small files of one

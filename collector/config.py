@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import socket
 from dataclasses import dataclass
 
 from lightspan.collector.jsonlog import FORMATS
 from lightspan.config import ConfigError, is_loopback, option
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, WAL_DIR, is_remote
 
 SECTION = "collector"
 MiB = 1 << 20
@@ -23,8 +25,20 @@ MiB = 1 << 20
 class CollectorConfig:
     data_dir: str = option(
         DEFAULT_DATA_DIR,
-        "Data directory: spans/ (Parquet, hive-partitioned by date) and wal/ live here.",
+        "Data location: a directory (spans/ as Parquet hive-partitioned by date, and wal/), or an "
+        "S3-compatible bucket s3://BUCKET/PREFIX (credentials and endpoint from the standard AWS variables "
+        "and ~/.aws files; the WAL then lives in wal_dir).",
         env=DATA_DIR_ENV)
+    wal_dir: str = option(
+        "",
+        "Local directory of the write-ahead log; empty = DATA_DIR/wal. Required when data_dir is a bucket: "
+        "an export is acknowledged once it is fsynced here, and its segments are deleted only after the "
+        "objects holding its rows are written.")
+    collector_id: str = option(
+        "",
+        "This collector's name in a bucket shared by several: it writes, compacts and expires only "
+        "TABLE/collector=<id>/date=…/ (letters, digits, '.', '_', '-'). Empty = the host name (a "
+        "StatefulSet pod's is stable). Unused for a directory, which one collector owns.")
     host: str = option(
         "127.0.0.1",
         "Address the receivers and the API bind to. 0.0.0.0 exposes them to the network (then auth_token is "
@@ -138,6 +152,16 @@ class CollectorConfig:
 
         if not isinstance(self.data_dir, str) or not self.data_dir.strip():
             fail("data_dir", f"{self.data_dir!r} is not a directory path", "give a writable directory")
+        if is_remote(self.data_dir):
+            if not self.wal_dir:
+                fail("wal_dir", f"data_dir {self.data_dir!r} is a bucket, and the WAL must be on a local disk",
+                     "set collector.wal_dir (LIGHTSPAN_COLLECTOR_WAL_DIR) to a local directory, e.g. /var/lib/lightspan/wal")
+            if is_remote(self.wal_dir):
+                fail("wal_dir", f"{self.wal_dir!r} is a bucket; the WAL is fsynced on every export",
+                     "give a local directory")
+        if self.collector_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", self.collector_id):
+            fail("collector_id", f"{self.collector_id!r} is not a name for a prefix",
+                 "use letters, digits, '.', '_' and '-' (e.g. the pod name)")
         if not isinstance(self.host, str) or not self.host.strip():
             fail("host", f"{self.host!r} is not a host address", "use 127.0.0.1, or 0.0.0.0 to listen on every interface")
         for name in ("grpc_port", "http_port", "api_port"):
@@ -207,3 +231,14 @@ class CollectorConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 fail(name, f"{value!r} is not a whole number >= 0", "use 0 to switch it off")
+
+    @property
+    def wal_path(self) -> str:
+        """Where the WAL lives: wal_dir, else DATA_DIR/wal."""
+        return self.wal_dir or os.path.join(self.data_dir, WAL_DIR)
+
+    @property
+    def writer_id(self) -> str:
+        """The collector's prefix name in a bucket: collector_id, else the host name."""
+        name = self.collector_id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "collector"
+        return name[:128]

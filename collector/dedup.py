@@ -109,15 +109,25 @@ def _listing(files: list[Path]) -> str:
     return ", ".join(store.quote(str(f)) for f in files)
 
 
+def _connect(files: list) -> duckdb.DuckDBPyConnection:
+    """A one-thread connection that can read ``files`` (``s3://`` objects too)."""
+    con = duckdb.connect()
+    con.execute("SET threads = 1")
+    if any(store.is_remote(str(f)) for f in files):
+        from lightspan.store import objects
+
+        objects.register(con)
+    return con
+
+
 def load_keys(table_name: str, files: list[Path], *, received_since_ns: int = 0, limit: int | None = None) -> list:
     """The keys stored in ``files`` of rows received at ``received_since_ns`` or later, newest
     first, at most ``limit`` (read with DuckDB: only three columns are decoded)."""
     if not files:
         return []
     columns = ", ".join(KEY_COLUMNS[table_name])
-    con = duckdb.connect()
+    con = _connect(files)
     try:
-        con.execute("SET threads = 1")
         table = con.sql(
             f"SELECT {columns} FROM read_parquet([{_listing(files)}], hive_partitioning=false, union_by_name=true) "
             f"WHERE received_unix_nano >= $since ORDER BY received_unix_nano DESC"
@@ -133,9 +143,8 @@ def drop_stored(table_name: str, table: pa.Table, files: list[Path]) -> pa.Table
     if not files or not table.num_rows:
         return table
     columns = ", ".join(KEY_COLUMNS[table_name])
-    con = duckdb.connect()
+    con = _connect(files)
     try:
-        con.execute("SET threads = 1")
         con.register("batch", table)
         return con.sql(
             f"SELECT * FROM batch ANTI JOIN (SELECT {columns} FROM read_parquet([{_listing(files)}], "

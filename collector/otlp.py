@@ -3,7 +3,7 @@
 :func:`flatten` turns one ``ExportTraceServiceRequest`` into an Arrow table, one row per span;
 :mod:`lightspan.collector.otlp_logs` does the same for an ``ExportLogsServiceRequest`` (GenAI
 events sent through the logs signal), one row per log record.
-What readers filter or join on is promoted to typed columns (DESIGN.md §3.2); every other
+What readers filter or join on is promoted to typed columns (docs/architecture.md, "Storage"); every other
 attribute is kept, JSON-encoded, in the ``attributes`` / ``resource_attributes`` maps.
 
 Malformed input never raises in the middle of a batch: a span with a bad id, with token-id
@@ -22,14 +22,11 @@ they are decoded with one ``numpy.frombuffer`` per batch instead of per-span Pyt
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
 
 import numpy as np
 import pyarrow as pa
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError as _ProtobufDecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
@@ -45,10 +42,6 @@ _INT64_MAX = (1 << 63) - 1
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 INVALID_LOGPROBS = "invalid_logprobs"   # lightspan.capture.status of a span stored without its logprobs
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-
-
-class DecodeError(ValueError):
-    """The request body is not an OTLP request (answered with 400 / INVALID_ARGUMENT)."""
 
 
 class _Keep(Exception):
@@ -409,67 +402,3 @@ def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str
 
 def count_spans(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-
-
-# --- parsing ---------------------------------------------------------------------------------
-
-def parse_protobuf_request(body: bytes, cls=ExportTraceServiceRequest):
-    """Binary protobuf (OTLP/gRPC and ``application/x-protobuf``) of a ``cls`` request."""
-    try:
-        return cls.FromString(body)
-    except _ProtobufDecodeError as exc:
-        raise DecodeError(f"not an OTLP {cls.__name__}: {exc}") from None
-
-
-_ID_KEYS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
-
-
-def _hex_ids_to_base64(obj: dict, where: str) -> None:
-    # OTLP/JSON writes ids as hex where protobuf's JSON mapping expects base64 bytes
-    for key in _ID_KEYS:
-        value = obj.get(key)
-        if isinstance(value, str):
-            try:
-                obj[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
-            except ValueError:
-                raise DecodeError(f"{where}.{key} {value[:40]!r} is not hex") from None
-
-
-def _items(obj, *keys) -> list:
-    if not isinstance(obj, dict):
-        return []
-    for key in keys:
-        value = obj.get(key)
-        if isinstance(value, list):
-            return value
-    return []
-
-
-def _json_doc(body: bytes) -> dict:
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DecodeError(f"body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise DecodeError("body is not a JSON object")
-    return doc
-
-
-def parse_json_request(body: bytes) -> ExportTraceServiceRequest:
-    """OTLP/JSON (``application/json``): lowerCamelCase keys, hex ids, integer enums, unknown
-    fields ignored."""
-    doc = _json_doc(body)
-    for r, rs in enumerate(_items(doc, "resourceSpans", "resource_spans")):
-        for s, ss in enumerate(_items(rs, "scopeSpans", "scope_spans")):
-            for i, span in enumerate(_items(ss, "spans")):
-                if not isinstance(span, dict):
-                    continue
-                where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
-                _hex_ids_to_base64(span, where)
-                for j, link in enumerate(_items(span, "links")):
-                    if isinstance(link, dict):
-                        _hex_ids_to_base64(link, f"{where}.links[{j}]")
-    try:
-        return json_format.ParseDict(doc, ExportTraceServiceRequest(), ignore_unknown_fields=True)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError, binascii.Error) as exc:
-        raise DecodeError(f"not an OTLP/JSON trace request: {exc}") from None

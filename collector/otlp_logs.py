@@ -12,8 +12,9 @@ import pyarrow as pa
 from google.protobuf import json_format
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from lightspan.collector.otlp import (_FROM_RESOURCE, _ZERO_SPAN, _ZERO_TRACE, DecodeError, _dumps, _hex_ids_to_base64,
-                                      _id, _items, _json_doc, _Keep, _py, _Reject, _resource, _str, _time)
+from lightspan.collector.otlp import (_FROM_RESOURCE, _ZERO_SPAN, _ZERO_TRACE, _dumps, _id, _Keep, _py, _Reject,
+                                      _resource, _str, _time)
+from lightspan.collector.otlp_parse import DecodeError, hex_ids_to_base64, items, json_doc
 from lightspan.store import LOG_SCHEMA
 
 _LOG_COLUMNS = [f.name for f in LOG_SCHEMA]
@@ -100,12 +101,12 @@ def count_log_records(request: ExportLogsServiceRequest) -> int:
 
 def parse_json_logs_request(body: bytes) -> ExportLogsServiceRequest:
     """OTLP/JSON logs (``application/json``), with the same rules as :func:`parse_json_request`."""
-    doc = _json_doc(body)
-    for r, rl in enumerate(_items(doc, "resourceLogs", "resource_logs")):
-        for s, sl in enumerate(_items(rl, "scopeLogs", "scope_logs")):
-            for i, record in enumerate(_items(sl, "logRecords", "log_records")):
+    doc = json_doc(body)
+    for r, rl in enumerate(items(doc, "resourceLogs", "resource_logs")):
+        for s, sl in enumerate(items(rl, "scopeLogs", "scope_logs")):
+            for i, record in enumerate(items(sl, "logRecords", "log_records")):
                 if isinstance(record, dict):
-                    _hex_ids_to_base64(record, f"resourceLogs[{r}].scopeLogs[{s}].logRecords[{i}]")
+                    hex_ids_to_base64(record, f"resourceLogs[{r}].scopeLogs[{s}].logRecords[{i}]")
     try:
         return json_format.ParseDict(doc, ExportLogsServiceRequest(), ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError, binascii.Error) as exc:

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from lightspan import http
+from lightspan import http, store
 from lightspan.collector import httpd, jsonlog, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
@@ -37,7 +37,8 @@ from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_
                                        bracket)
 from lightspan.collector.httpd import LOGS_PATH, TRACES_PATH
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import DecodeError, check
+from lightspan.collector.otlp import check
+from lightspan.collector.otlp_parse import DecodeError
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, status_for
 from lightspan.collector.routes import Route
 from lightspan.collector.writer import COMPACT_GRACE_S, LOGS_TAG, SIGNALS, Writer
@@ -56,7 +57,7 @@ class Collector:
         (the web UI, :mod:`lightspan.collector.routes`)."""
         self.config = config
         self.routes = tuple(routes)
-        self.data_dir = Path(config.data_dir)
+        self.data_dir = store.data_dir(config.data_dir)     # a Path, or an s3:// URL
         self.metrics = Metrics()
         self.rewards = RewardBook(self.data_dir, config.dedup_max_keys)
         self._state_lock = threading.Lock()

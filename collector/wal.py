@@ -1,5 +1,5 @@
 """The collector's write-ahead log: an export is acknowledged only once its bytes are here
-and fsynced (DESIGN.md §3.3).
+and fsynced (docs/architecture.md, "Delivery").
 
 ``data_dir/wal/`` holds numbered segment files ``<id>.wal``. A record is::
 

@@ -28,13 +28,14 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan import store
-from lightspan.collector import compact as compaction
 from lightspan.collector import dedup
+from lightspan.collector.storage import Bucket, Directory
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import DecodeError, count_spans, flatten, parse_json_request, parse_protobuf_request
+from lightspan.collector.otlp import count_spans, flatten
+from lightspan.collector.otlp_parse import DecodeError, parse_json_request, parse_protobuf_request
 from lightspan.collector.otlp_logs import count_log_records, flatten_logs, parse_json_logs_request
-from lightspan.collector.outcomes import Outcome
+from lightspan.collector.outcomes import CollectorError, Outcome
 from lightspan.collector.wal import WAL
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,13 @@ class Writer:
 
     def __init__(self, config: CollectorConfig, metrics: Metrics):
         self.config = config
-        self.data_dir = Path(config.data_dir)
+        self.data_dir = store.data_dir(config.data_dir)
+        wal_dir = Path(config.wal_path)
+        # where Parquet goes: the data directory, or this collector's prefix in a bucket
+        self.storage = (Bucket(self.data_dir, config.writer_id, wal_dir.parent / f".{wal_dir.name}-scratch")
+                        if store.is_remote(self.data_dir) else Directory(self.data_dir))
+        self.wal_dir = wal_dir
+        self.last_flush_error = ""             # why the last flush failed ("" after one succeeded)
         self.metrics = metrics
         self._compact_lock = threading.Lock()
         self._lock = threading.Lock()          # the handoff: {WAL write; enqueue} vs {rotate; drain}
@@ -81,7 +88,11 @@ class Writer:
 
     def open(self) -> None:
         """Open the WAL, remember the keys written lately, replay what a previous run left."""
-        self.wal = WAL(self.data_dir / "wal")
+        try:
+            self.storage.check()
+        except OSError as exc:       # nothing accepted yet: the WAL stays as it is for the next start
+            raise CollectorError(f"cannot reach the store {self.storage.describe()}: {exc}") from None
+        self.wal = WAL(self.wal_dir)
         self._seed_recent()
         self._replay()
 
@@ -116,8 +127,9 @@ class Writer:
             if not self.accepting:
                 return Outcome.UNAVAILABLE, "the collector is stopping"
             if self.queue_bytes and self.queue_bytes + size > self.config.max_queue_bytes:
+                why = f"; the last flush failed: {self.last_flush_error}" if self.last_flush_error else ""
                 return (Outcome.QUEUE_FULL, f"queue full: {self.queue_bytes} bytes waiting for Parquet "
-                                            f"(max_queue_bytes={self.config.max_queue_bytes})")
+                                            f"(max_queue_bytes={self.config.max_queue_bytes}){why}")
             try:
                 position = self.wal.write(payload)
             except OSError as exc:   # disk full or I/O error: nothing was acknowledged; retry later
@@ -164,12 +176,15 @@ class Writer:
                     with self._lock:
                         self.queue_bytes -= size
                     done = end
-            except Exception:
+            except Exception as exc:
                 # the rest again at the next flush; rows of a chunk that failed half-way are not
                 # written twice (the writer's recent keys); the segments stay until all are in
+                # (an unreachable bucket: the queue fills, then exports get retryable refusals)
                 self._pending = (items[done:], closed)
+                self.last_flush_error = str(exc)[:300]
                 self.metrics.add("flush_errors_total")
                 raise
+            self.last_flush_error = ""
             try:
                 self.wal.delete(closed)
             except OSError:
@@ -222,8 +237,7 @@ class Writer:
                 part = table.filter(pa.array(rows))
                 part_keys = [key for key, chosen in zip(keys, rows.tolist()) if chosen]
             part = part.sort_by(kind["sort"])
-            partition = f"date={(_EPOCH + timedelta(days=int(day))).isoformat()}"
-            store.write_table(self.data_dir, name, part, partition=partition)
+            self.storage.write(name, part, (_EPOCH + timedelta(days=int(day))).isoformat())
             recent.add(part_keys)          # committed: a retried flush leaves this part out
         return table.num_rows
 
@@ -232,7 +246,7 @@ class Writer:
         retry across a restart)."""
         now = time.time()
         for name, recent in self._recent.items():
-            files = dedup.recent_files(self.data_dir, name, now - self.config.dedup_window_s)
+            files = self.storage.recent_files(name, now - self.config.dedup_window_s)
             keys = dedup.load_keys(name, files, received_since_ns=int((now - self.config.dedup_window_s) * 1e9),
                                    limit=max(self.config.dedup_max_keys // 2, 1))
             recent.add(keys)
@@ -249,7 +263,7 @@ class Writer:
         # the Parquet that these segments may have produced before the crash: written after the
         # oldest segment's last write
         since = dedup.replay_since([self.wal.segment_path(i) for i in segments])
-        stored = {kind["table"]: dedup.recent_files(self.data_dir, kind["table"], since) for kind in SIGNALS.values()}
+        stored = {kind["table"]: self.storage.recent_files(kind["table"], since) for kind in SIGNALS.values()}
         tables = {signal_: [] for signal_ in SIGNALS}
         batch_bytes, counts = 0, dict.fromkeys(SIGNALS, 0)
         for payload in self.wal.replay(segments):
@@ -319,15 +333,16 @@ class Writer:
         merged = 0
         with self._compact_lock:
             for table in store.PARTITIONED:
-                for partition, files in compaction.small_files(self.data_dir, table).items():
+                for partition, files in self.storage.small_files(table).items():
                     if len(files) < max(min_files, 2):
                         continue
-                    compaction.compact_partition(table, partition, files)
+                    self.storage.compact_partition(table, partition, files)
                     merged += len(files)
                     self.metrics.add("compactions_total")
                     self.metrics.add("files_compacted_total", len(files))
-                    log.info("compacted %d files of %s/%s", len(files), table, partition.name,
-                             extra={"table": table, "partition": partition.name, "files": len(files)})
+                    where = str(partition).rsplit("/", 1)[-1]
+                    log.info("compacted %d files of %s/%s", len(files), table, where,
+                             extra={"table": table, "partition": where, "files": len(files)})
         self._sweep(grace_s)
         return merged
 
@@ -335,14 +350,14 @@ class Writer:
         """Remove the files merged files replaced ``grace_s`` seconds ago or more."""
         with self._compact_lock:
             for table in store.PARTITIONED:
-                compaction.sweep(self.data_dir, table, grace_s)
+                self.storage.sweep(table, grace_s)
 
     def expire(self) -> list[str]:
         """Delete date partitions older than ``retention_days`` (0 keeps all); returns their paths."""
         removed = []
         with self._compact_lock:
             for table in store.PARTITIONED:
-                names = compaction.expire_partitions(self.data_dir, table, self.config.retention_days)
+                names = self.storage.expire(table, self.config.retention_days)
                 removed += [f"{table}/{name}" for name in names]
         if removed:
             self.metrics.add("partitions_expired_total", len(removed))

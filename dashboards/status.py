@@ -59,8 +59,23 @@ def disk_usage(root: Path) -> dict[str, int]:
     return {**sizes, "total": total}
 
 
-def data_summary(root: Path) -> dict:
-    """Counts from the store's views, the published policy and the disk use of ``root``."""
+def object_usage(location: str) -> dict[str, int]:
+    """:func:`disk_usage` of a data location in a bucket: bytes of the objects under each name."""
+    from lightspan.store import objects
+
+    sizes = dict.fromkeys(_DIRS, 0)
+    total = 0
+    for entry in objects.list_files(location):
+        total += entry.size
+        top = entry.url[len(location.rstrip("/")) + 1:].split("/", 1)[0]
+        if top in sizes:
+            sizes[top] += entry.size
+    return {**sizes, "total": total}
+
+
+def data_summary(root: Path | str) -> dict:
+    """Counts from the store's views, the published policy and the disk use of ``root`` (a
+    directory, or an ``s3://`` location: the bytes of its objects)."""
     def read():
         con = store.connect(root)
         try:
@@ -88,13 +103,16 @@ def data_summary(root: Path) -> dict:
              "entropy", "clip_ratio", "is_ratio_mean", "staleness_mean", "sync_seconds", "policy")
     by_policy = [dict(zip(names, row)) for row in latest]
     run = by_policy[0] if by_policy else None
-    return {"data_dir": str(root.resolve()), "exists": root.is_dir(), "spans": spans, "llm_calls": llm_calls,
+    remote = store.is_remote(root)
+    usage = object_usage(root) if remote else disk_usage(root) if root.is_dir() else {}
+    return {"data_dir": root if remote else str(root.resolve()), "exists": remote or root.is_dir(),
+            "spans": spans, "llm_calls": llm_calls,
             "rollouts": sum(n for n, _ in splits.values()),
             "rollouts_by_split": {k: {"rollouts": n, "reward_mean": r} for k, (n, r) in splits.items()},
             "last_span_unix_nano": last, "transitions": transitions, "transition_builds": builds,
             "train_steps": steps, "training_runs": runs, "policy": policy, "policies": policies,
             "latest_run": run, "latest_by_policy": {r["policy"]: r for r in by_policy if r["policy"]},
-            "disk_bytes": disk_usage(root) if root.is_dir() else {}}
+            "disk_bytes": usage}
 
 
 def inference_summary(url: str, timeout_s: float) -> dict:

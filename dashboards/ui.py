@@ -13,8 +13,8 @@ Endpoints (see :mod:`lightspan.dashboards.web`):
 - ``/api/ui/facets``: :func:`facets`, the values the filters can take;
 - ``/api/ui/rollouts/<key>``: :func:`rollout`, one rollout's spans as a tree, its LLM calls with
   messages, tokens and logprobs, the reward matched to each call and its transitions;
-- ``/api/ui/training``: :func:`training`, the train_steps of one run and reward by policy version;
-- ``/api/ui/health``: :func:`health`, the collector's own metrics.
+- ``/api/ui/training``, ``/api/ui/queue``, ``/api/ui/quality``: :mod:`lightspan.dashboards.quality`;
+- ``/api/ui/health``: :mod:`lightspan.dashboards.health`, the collector's own metrics.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 import duckdb
 import numpy as np
 
-from lightspan import store
 from lightspan.lightningrl.credit import rewards_per_call
+from lightspan.store.views import NOT_CAPTURED_REASON
 from lightspan.config import parse_duration
 
 MAX_LIMIT = 1000
@@ -48,7 +48,7 @@ class BadParameter(ValueError):
 
 # --- parameters ----------------------------------------------------------------------------------
 
-def _one(params: Params, name: str) -> str | None:
+def one(params: Params, name: str) -> str | None:
     values = params.get(name)
     if not values:
         return None
@@ -68,8 +68,8 @@ def check_known(params: Params, known: Sequence[str]) -> None:
         raise BadParameter(f"unknown parameter(s) {unknown}: known are {sorted(known)}")
 
 
-def _int(params: Params, name: str, *, low: int, high: int | None = None, default: int | None = None) -> int | None:
-    text = _one(params, name)
+def integer(params: Params, name: str, *, low: int, high: int | None = None, default: int | None = None) -> int | None:
+    text = one(params, name)
     if text is None:
         return default
     try:
@@ -82,8 +82,8 @@ def _int(params: Params, name: str, *, low: int, high: int | None = None, defaul
     return value
 
 
-def _float(params: Params, name: str) -> float | None:
-    text = _one(params, name)
+def number(params: Params, name: str) -> float | None:
+    text = one(params, name)
     if text is None:
         return None
     try:
@@ -135,15 +135,17 @@ def clean(value):
     return value
 
 
-def _records(cursor: duckdb.DuckDBPyConnection) -> list[dict]:
+def records(cursor: duckdb.DuckDBPyConnection) -> list[dict]:
     names = [d[0] for d in cursor.description]
     return [{n: clean(v) for n, v in zip(names, row)} for row in cursor.fetchall()]
 
 
 # --- rollouts ------------------------------------------------------------------------------------
 
-ROLLOUT_PARAMS = ("task", "split", "agent", "min_reward", "max_reward", "version", "since", "until",
+ROLLOUT_PARAMS = ("task", "split", "agent", "status", "min_reward", "max_reward", "version", "since", "until",
                   "limit", "offset")
+# the rollouts view's status: why a rollout trains or not (a failed one is never a reward of 0)
+STATUSES = ("rewarded", "unrewarded", "failed", "timeout")
 
 # One rollout per row, once per request into a temp table that the count and the page read: the
 # rollouts view (without its num_llm_calls, which would read every span's prompt token ids), the
@@ -152,7 +154,8 @@ ROLLOUT_PARAMS = ("task", "split", "agent", "min_reward", "max_reward", "version
 _ROLLOUTS_TABLE_SQL = """
 CREATE OR REPLACE TEMP TABLE _ui_rollouts AS
 SELECT r.rollout_key, r.task_id, r.split, r.service_name, r.num_spans, r.final_reward, r.has_error,
-       r.start_time_unix_nano, r.end_time_unix_nano, r.model_version, a.agents, a.traces
+       r.start_time_unix_nano, r.end_time_unix_nano, r.model_version, r.status, r.outcome, r.exit_code,
+       r.num_uncaptured_calls, r.capture_problem, r.capture_reason, a.agents, a.traces
 FROM rollouts r
 LEFT JOIN (SELECT coalesce(rollout_id, trace_id) AS rollout_key,
                   list(DISTINCT coalesce(agent_name, service_name) ORDER BY coalesce(agent_name, service_name))
@@ -173,6 +176,7 @@ _FILTERS = {
     "task": "task_id = $task",
     "split": "split = $split",
     "agent": "list_contains(coalesce(agents, []), $agent)",
+    "status": "status = $status",
     "min_reward": "final_reward >= $min_reward",
     "max_reward": "final_reward <= $max_reward",
     "version": "model_version = $version",
@@ -185,16 +189,18 @@ def rollout_filters(params: Params, now_ns: int | None = None) -> dict:
     """The validated filters of ``/api/ui/rollouts`` (absent ones left out), plus limit and offset."""
     check_known(params, ROLLOUT_PARAMS)
     now_ns = time.time_ns() if now_ns is None else now_ns
-    found = {name: _one(params, name) for name in ("task", "split", "agent")}
-    found["min_reward"] = _float(params, "min_reward")
-    found["max_reward"] = _float(params, "max_reward")
-    found["version"] = _int(params, "version", low=0)
+    found = {name: one(params, name) for name in ("task", "split", "agent", "status")}
+    if found["status"] is not None and found["status"] not in STATUSES:
+        raise BadParameter(f"'status' must be one of {list(STATUSES)}, got {found['status']!r}")
+    found["min_reward"] = number(params, "min_reward")
+    found["max_reward"] = number(params, "max_reward")
+    found["version"] = integer(params, "version", low=0)
     for name in ("since", "until"):
-        text = _one(params, name)
+        text = one(params, name)
         found[name] = parse_time(text, name, now_ns) if text is not None else None
     filters = {k: v for k, v in found.items() if v is not None}
-    filters["limit"] = _int(params, "limit", low=1, high=MAX_LIMIT, default=DEFAULT_LIMIT)
-    filters["offset"] = _int(params, "offset", low=0, default=0)
+    filters["limit"] = integer(params, "limit", low=1, high=MAX_LIMIT, default=DEFAULT_LIMIT)
+    filters["offset"] = integer(params, "offset", low=0, default=0)
     return filters
 
 
@@ -208,11 +214,12 @@ def rollouts(con: duckdb.DuckDBPyConnection, filters: dict) -> dict:
                           bound).fetchone()
     cursor = con.execute(f"""
         SELECT rollout_key, task_id, split, service_name, agents, num_spans, final_reward,
-               has_error, start_time_unix_nano, end_time_unix_nano, model_version, traces
+               has_error, start_time_unix_nano, end_time_unix_nano, model_version, status, outcome, exit_code,
+               num_uncaptured_calls, capture_problem, capture_reason, traces
         FROM _ui_rollouts WHERE {where}
         ORDER BY start_time_unix_nano DESC NULLS LAST, rollout_key
         LIMIT $limit OFFSET $offset""", {**bound, "limit": filters["limit"], "offset": filters["offset"]})
-    page = _records(cursor)
+    page = records(cursor)
     calls = dict(con.execute(_PAGE_CALLS_SQL, {"traces": [t for r in page for t in r["traces"] or []],
                                                "keys": [r["rollout_key"] for r in page]}).fetchall()) if page else {}
     for row in page:
@@ -254,18 +261,30 @@ LIMIT $limit
 """
 # the rollout's LLM calls in the builder's action order: (start, end, span id)
 _CALLS_SQL = f"""
-SELECT trace_id, span_id, end_time_unix_nano FROM llm_calls WHERE {_IN_TRACES} AND rollout_key = $key
+SELECT trace_id, span_id, end_time_unix_nano, capture_status,
+       json_extract_string(attributes['lightspan.capture.reason'], '$') AS capture_reason
+FROM llm_calls WHERE {_IN_TRACES} AND rollout_key = $key
 ORDER BY start_time_unix_nano, end_time_unix_nano, span_id
 """
 _REWARDS_SQL = f"""
-SELECT trace_id, span_id, reward_name, reward, time_unix_nano FROM rewards
+SELECT trace_id, span_id, reward_name, reward, time_unix_nano, source, call_span_id, comment, correction,
+       judge_model FROM rewards
 WHERE {_IN_TRACES} AND rollout_key = $key AND isfinite(reward) ORDER BY time_unix_nano, span_id
 """
+# the rollouts view's columns for this rollout's traces only (the view itself would scan every span)
 _SUMMARY_SQL = f"""
-SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL),
-       any_value(split) FILTER (WHERE split IS NOT NULL),
-       arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL),
-       max(model_version), bool_or(status_code = 'ERROR')
+SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
+       any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
+       coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                    AND attributes['lightspan.reward.call_span_id'] IS NULL),
+                arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
+       max(model_version) AS model_version, bool_or(status_code = 'ERROR') AS has_error,
+       any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
+           FILTER (WHERE name = 'lightspan.runner') AS outcome,
+       any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
+           FILTER (WHERE name = 'lightspan.runner') AS exit_code,
+       CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+            WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
 FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
 """
 # the newest build of each of the rollout's transitions
@@ -290,6 +309,23 @@ def _messages(text):
         return text
 
 
+def _capture(calls: list[tuple]) -> dict:
+    """The rollouts view's capture columns from the rollout's calls (trace, span, end, capture status,
+    reason): the calls not captured (status not ok, or none), the most common problem and its reason."""
+    problems: dict[str, list] = {}
+    for *_, status, reason in calls:
+        if status != "ok":
+            entry = problems.setdefault(status or "not_captured", [0, None])
+            entry[0] += 1
+            entry[1] = entry[1] or reason
+    if not problems:
+        return {"num_uncaptured_calls": 0, "capture_problem": None, "capture_reason": None}
+    problem, (_, reason) = max(problems.items(), key=lambda item: (item[1][0], item[0]))
+    reason = reason or (NOT_CAPTURED_REASON if problem == "not_captured" else None)
+    return {"num_uncaptured_calls": sum(n for n, _ in problems.values()), "capture_problem": problem,
+            "capture_reason": reason}
+
+
 def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = None) -> dict | None:
     """One rollout by its key (``lightspan.rollout.id``, else the trace id); None if it has no spans.
 
@@ -306,16 +342,18 @@ def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = N
     if not traces:
         return None
     at = {"key": key, "traces": traces}
-    spans = _records(con.execute(_SPANS_SQL, {**at, "limit": MAX_SPANS + 1}))
+    spans = records(con.execute(_SPANS_SQL, {**at, "limit": MAX_SPANS + 1}))
     truncated = len(spans) > MAX_SPANS
     spans = spans[:MAX_SPANS]
     calls = con.execute(_CALLS_SQL, at).fetchall()
-    rewards = _records(con.execute(_REWARDS_SQL, at))
-    transitions = _records(con.execute(_TRANSITIONS_SQL, {"key": key}))
+    rewards = records(con.execute(_REWARDS_SQL, at))
+    transitions = records(con.execute(_TRANSITIONS_SQL, {"key": key}))
     matched = np.zeros(len(calls))
     if calls and rewards:
+        ends = {c[1]: c[2] or 0 for c in calls}      # a reward naming a call counts at its end, as in the builder
         matched = rewards_per_call(np.array([c[2] or 0 for c in calls], dtype=np.int64),
-                                   np.array([r["time_unix_nano"] or 0 for r in rewards], dtype=np.int64),
+                                   np.array([ends.get(r["call_span_id"], r["time_unix_nano"] or 0) for r in rewards],
+                                            dtype=np.int64),
                                    np.array([r["reward"] for r in rewards], dtype=np.float64))
     call_at = {(c[0], c[1]): i for i, c in enumerate(calls)}
     by_transition = {t["transition_id"]: t for t in transitions}
@@ -334,87 +372,9 @@ def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = N
         span["completion_tokens"] = decode(ids_) if decode is not None and ids_ else None
     first = min((s["start_time_unix_nano"] for s in spans if s["start_time_unix_nano"] is not None), default=None)
     last = max((s["end_time_unix_nano"] for s in spans if s["end_time_unix_nano"] is not None), default=None)
-    summary = con.execute(_SUMMARY_SQL, at).fetchone()    # as the rollouts view computes them
-    return {"rollout_key": key, "task_id": summary[0], "split": summary[1], "final_reward": clean(summary[2]),
-            "model_version": summary[3], "has_error": summary[4], "start_time_unix_nano": first,
+    summary = records(con.execute(_SUMMARY_SQL, at))[0]
+    return {"rollout_key": key, **summary, **_capture(calls), "start_time_unix_nano": first,
             "end_time_unix_nano": last, "num_llm_calls": len(calls), "spans": spans, "rewards": rewards,
             "transitions": transitions, "truncated": truncated,
             "tokens_decoded": decode is not None and all(s.get("completion_tokens") is not None
                                                          for s in spans if s.get("completion_token_ids"))}
-
-
-# --- training ------------------------------------------------------------------------------------
-
-TRAINING_PARAMS = ("run",)
-_STEP_COLUMNS = """policy, step, policy_version, time_unix_nano, num_transitions, num_tokens, reward_mean, advantage_abs_mean,
-       loss, kl, clip_ratio, entropy, is_ratio_mean, staleness_mean, skipped_stale, step_seconds,
-       {tokens_per_second} AS tokens_per_second, sync_seconds, sync_max_abs_logprob_diff"""
-# trained completion tokens per second of the optimisation step; the trainer's own figure when the
-# store has that column (it also counts num_iterations passes), else tokens / step time
-_TOKENS_PER_SECOND = "num_tokens / nullif(step_seconds, 0)"
-
-
-def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
-    """The training runs, the steps of one (``run``, default the latest) and the mean final reward
-    of rollouts per policy version and split (train and validation). With several policies each
-    policy's checkpoint lineage is a run of its own (``policy``), and the rewards are per policy."""
-    check_known(params, TRAINING_PARAMS)
-    run = _one(params, "run")
-    runs = _records(con.execute("""
-        SELECT run_id, any_value(policy) AS policy, count(*) AS steps, max(step) AS last_step,
-               max(policy_version) AS policy_version,
-               min(time_unix_nano) AS first_time_unix_nano, max(time_unix_nano) AS last_time_unix_nano
-        FROM train_steps GROUP BY run_id ORDER BY last_time_unix_nano DESC"""))
-    if run is not None and run not in {r["run_id"] for r in runs}:
-        raise BadParameter(f"no training run {run!r}: known runs are {[r['run_id'] for r in runs][:20]}")
-    run = run or (runs[0]["run_id"] if runs else None)
-    tokens_per_second = _TOKENS_PER_SECOND
-    if "tokens_per_second" in store.TRAIN_STEP_SCHEMA.names:
-        tokens_per_second = f"coalesce(tokens_per_second, {_TOKENS_PER_SECOND})"
-    columns = _STEP_COLUMNS.format(tokens_per_second=tokens_per_second)
-    steps = _records(con.execute(f"SELECT {columns} FROM train_steps WHERE run_id = $run "
-                                 "ORDER BY step, time_unix_nano", {"run": run})) if run else []
-    # the unnamed policy's rollouts, and each named policy's (a rollout two policies served is in both)
-    by_version = _records(con.execute("""
-        SELECT NULL::VARCHAR AS policy, model_version AS policy_version, coalesce(split, 'train') AS split,
-               count(*) AS rollouts, avg(final_reward) AS reward_mean, count(final_reward) AS with_reward
-        FROM rollouts WHERE len(policies) = 0 GROUP BY ALL
-        UNION ALL
-        SELECT policy, model_version, coalesce(split, 'train'), count(*), avg(final_reward), count(final_reward)
-        FROM policy_rollouts GROUP BY ALL
-        ORDER BY policy NULLS FIRST, policy_version NULLS FIRST, split"""))
-    policy = next((r["policy"] for r in runs if r["run_id"] == run), None)
-    return {"runs": runs, "run_id": run, "policy": policy, "steps": steps, "reward_by_version": by_version}
-
-
-# --- collector health ----------------------------------------------------------------------------
-
-def rate(samples: Sequence[tuple[float, float]], window_s: float) -> float | None:
-    """Per-second increase of a counter over the samples (time, value) of the last ``window_s``
-    seconds before the newest; None with fewer than two. A counter reset restarts from zero."""
-    if len(samples) < 2:
-        return None
-    newest_t = samples[-1][0]
-    recent = [s for s in samples if s[0] >= newest_t - window_s]
-    if len(recent) < 2:
-        recent = list(samples[-2:])
-    increase = sum(b[1] - a[1] if b[1] >= a[1] else b[1] for a, b in zip(recent, recent[1:]))
-    elapsed = recent[-1][0] - recent[0][0]
-    return increase / elapsed if elapsed > 0 else None
-
-
-def health(numbers: Mapping, *, rates: Mapping[str, float | None]) -> dict:
-    """The collector's health page from its numbers (``Collector.health()``): counters, refusals by
-    reason, queue and WAL bytes, mean flush and fsync times, and ``rates``."""
-    refused = dict(numbers["requests_refused_total"])
-    counters = {k: v for k, v in numbers.items() if k.endswith("_total") and k != "requests_refused_total"}
-
-    def mean(name: str):
-        count = numbers.get(f"{name}_count")
-        return numbers[f"{name}_sum"] / count if count else None
-
-    return {"running": numbers["running"], "counters": counters, "refused": refused,
-            "refused_total": sum(refused.values()), "queue_bytes": numbers["queue_bytes"],
-            "wal_bytes": numbers["wal_bytes"], "flush_seconds_mean": mean("flush_seconds"),
-            "fsync_seconds_mean": mean("fsync_seconds"), "rates": dict(rates), "limits": dict(numbers["limits"]),
-            "time_unix_nano": time.time_ns()}

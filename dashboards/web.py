@@ -28,7 +28,7 @@ from lightspan import store
 from lightspan.collector import api as collector_api
 from lightspan.collector.routes import CollectorState, Response, Route
 from lightspan.config import ConfigError, option, resolve
-from lightspan.dashboards import ui
+from lightspan.dashboards import health, quality, ui
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _rates(collector: CollectorState, doc: dict) -> dict:
         history = _samples.setdefault(collector, collections.deque(maxlen=_SAMPLES_KEPT))
         history.append((now, values))
         points = list(history)
-    return {rate: ui.rate([(t, v[rate]) for t, v in points], RATE_WINDOW_S) for rate in _RATED}
+    return {rate: health.rate([(t, v[rate]) for t, v in points], RATE_WINDOW_S) for rate in _RATED}
 
 
 # --- JSON endpoints ------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def api(path: str, query: str, collector: CollectorState) -> Response:
     try:
         if route == "health":
             ui.check_known(params, ())
-            doc = ui.health(collector.health(), rates={})
+            doc = health.health(collector.health(), rates={})
             doc["rates"] = _rates(collector, doc)
             return json_response(200, doc)
         if route == "rollouts":
@@ -194,8 +194,9 @@ def api(path: str, query: str, collector: CollectorState) -> Response:
             return _answer(_query(collector, lambda con: ui.rollouts(con, filters)))
         if route == "facets":
             return _answer(_query(collector, lambda con: ui.facets(con, params)))
-        if route == "training":
-            return _answer(_query(collector, lambda con: ui.training(con, params)))
+        if route in _PAGES:
+            page = _PAGES[route]
+            return _answer(_query(collector, lambda con: page(con, params)))
         if route.startswith("rollouts/"):
             ui.check_known(params, ())
             key = unquote(route[len("rollouts/"):])
@@ -212,7 +213,11 @@ def api(path: str, query: str, collector: CollectorState) -> Response:
         log.exception("web UI endpoint %s failed", path)
         return error(500, f"internal error: {type(exc).__name__}: {exc}")
     return error(404, f"not found: {path}; the UI's endpoints are {API_PREFIX}rollouts, {API_PREFIX}rollouts/<id>, "
-                      f"{API_PREFIX}facets, {API_PREFIX}training, {API_PREFIX}health")
+                      f"{API_PREFIX}facets, {API_PREFIX}training, {API_PREFIX}queue, {API_PREFIX}quality, {API_PREFIX}health")
+
+
+# the endpoints that are one query function of their parameters
+_PAGES = {"training": quality.training, "queue": quality.queue, "quality": quality.quality}
 
 
 def _answer(result) -> Response:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 from lightspan import store
 from lightspan.config import to_dict
 
-STATE_FILE = Path("lightningrl") / "state.json"
+STATE_FILE = "lightningrl/state.json"
 MAX_SELECTIONS = 16
 _NOT_SELECTION = ("data_dir", "incremental", "watermark_lag_s")
 
@@ -62,26 +61,23 @@ def load(config) -> Watermark:
     return Watermark(int(entry["received_unix_nano"]), tuple(entry["pending"]))
 
 
-def save(config, watermark: Watermark) -> Path:
-    """Store ``watermark`` for ``config``'s selection, atomically (temp file + rename)."""
-    path = store.data_dir(config.data_dir) / STATE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save(config, watermark: Watermark) -> Path | str:
+    """Store ``watermark`` for ``config``'s selection, atomically (temp file + rename; one PUT in a bucket)."""
+    path = store.join(store.data_dir(config.data_dir), STATE_FILE)
     selections = _read(config.data_dir)
     fields = _fields(config)
     selections[selection(config)] = {
         "received_unix_nano": watermark.received_unix_nano, "pending": sorted(watermark.pending),
         "updated_unix_nano": time.time_ns(), "config": fields}
     newest = sorted(selections.items(), key=lambda kv: kv[1].get("updated_unix_nano", 0))[-MAX_SELECTIONS:]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"version": 1, "selections": dict(newest)}, indent=1) + "\n")
-    os.replace(tmp, path)
+    store.write_text(path, json.dumps({"version": 1, "selections": dict(newest)}, indent=1) + "\n")
     return path
 
 
 def _read(data_dir) -> dict:
-    path = store.data_dir(data_dir) / STATE_FILE
+    path = store.join(store.data_dir(data_dir), STATE_FILE)
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(store.read_text(path))
     except FileNotFoundError:
         return {}
     except (json.JSONDecodeError, OSError):      # a damaged state costs one full read, not a failed build

@@ -154,7 +154,7 @@ JOBS = {
                    _rollout, "lightspan.rollout.runner:RolloutConfig", "rollout", command=True),
     "jobs": Job("render one Kubernetes Job per task sample (YAML on stdout, for kubectl apply -f -)",
                 _jobs, "lightspan.rollout.k8s:JobsConfig", "rollout", command=True),
-    "gateway": Job("OpenAI-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent",
+    "gateway": Job("OpenAI/Anthropic-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent",
                    _call("lightspan.rollout.gateway:serve"), "lightspan.rollout.gateway:GatewayConfig", "gateway"),
     "transitions": Job("build training transitions from stored rollouts (LightningRL credit + GRPO advantages)",
                        _transitions, "lightspan.lightningrl.config:TransitionsConfig", "transitions",

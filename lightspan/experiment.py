@@ -97,6 +97,8 @@ class ExperimentConfig:
     max_staleness: int = option(1, "How many policy versions a transition may lag the trainer when it is trained: "
                                    "the next step's rollouts run while the trainer trains (0: lock-step, rollouts "
                                    "wait for each update). Also the trainer's own bound.")
+    entropy_floor: float = option(0.0, "Warn when the policy's per-token entropy at a step falls below this "
+                                       "(nats; lightspan train --entropy-floor): exploration collapsing. 0: no floor.")
     trainer_threads: int = option(0, "torch threads of the trainer (lightspan train --torch-threads); 0: half the "
                                      "cores, at least 1. The trainer shares the cores with vLLM and the rollouts, and "
                                      "torch's threads spin-wait for a core taken: on 2 busy cores a micro-batch took "
@@ -332,6 +334,7 @@ def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_di
         "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
         "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
         "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
+        "--entropy-floor", str(cfg.entropy_floor),
         "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
         "--metrics-port", str(ports["metrics"]), *sync))
     stages.time("start trainer", wait_published, data, trainer, 600)

@@ -8,6 +8,7 @@ main thread both use it); :class:`PolicyVersion` is the version recorded on the 
 from __future__ import annotations
 
 import threading
+import time
 
 from lightspan import store
 
@@ -67,7 +68,8 @@ class PolicyVersion:
         """Every published policy by name (``""``: the unnamed one); {} before any is published. An
         unreadable file keeps what was read last."""
         try:
-            mtime = self.path.stat().st_mtime
+            # in a bucket there is no cheap stat: the object is read again every 2 s
+            mtime = (time.monotonic() // 2 if store.is_remote(str(self.path)) else self.path.stat().st_mtime)
         except OSError:
             return {}
         if mtime != self._cached[0]:
@@ -81,7 +83,7 @@ class PolicyVersion:
         """The unnamed policy's version (0 before any is published); None when only named policies are."""
         if self.override is not None:
             return self.override
-        if not self.path.exists():
+        if not store.is_remote(str(self.path)) and not self.path.exists():
             return 0  # no policy published yet: the initial model
         policy = self.published().get("")
         return policy.version if policy is not None else None

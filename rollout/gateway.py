@@ -1,35 +1,42 @@
-"""``lightspan gateway``: an OpenAI-compatible proxy in front of vLLM for agents we cannot instrument.
+"""``lightspan gateway``: an OpenAI- and Anthropic-compatible proxy in front of vLLM for agents we cannot instrument.
 
-A non-Python agent, or one whose client we do not patch, points its OpenAI base URL at the gateway.
-For the generation paths of :data:`~lightspan.rollout.protocols.ENDPOINTS` (``POST
-/v1/chat/completions`` and ``POST /v1/completions``, streaming or not) the gateway
+A non-Python agent, or one whose client we do not patch, points its OpenAI (or Anthropic) base URL
+at the gateway. For the generation paths of :data:`~lightspan.rollout.protocols.ENDPOINTS` (``POST
+/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and Anthropic's ``/v1/messages``,
+streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol sends and answers) the gateway
 
-1. asks vLLM for ``return_token_ids`` and sampled-token ``logprobs`` (``capture.with_capture``);
+1. asks vLLM for the token ids and sampled-token logprobs (for Anthropic Messages: through the
+   chat completion vLLM makes of the request, as the instrumentor does);
 2. emits one GenAI span per call through the OTel SDK to the collector, with the same attributes
    as the instrumentor (``lightspan.prompt_token_ids`` … ``lightspan.capture.status``, the policy
-   version), parented on the caller's W3C ``traceparent`` header when there is one;
+   version, the messages with their tool calls), parented on the caller's W3C ``traceparent``
+   header when there is one;
 3. takes the rollout from the ``X-Lightspan-Rollout-Id`` header or the URL prefix
    ``/rollouts/{id}/v1/...``, the task from ``X-Lightspan-Task-Id`` or ``/tasks/{id}``, the split
    from ``X-Lightspan-Split`` or ``/splits/{split}`` (prefixes combine, in any order:
-   ``/rollouts/r1/tasks/t7/v1/chat/completions``); a header wins over the path. The agent comes
-   from ``X-Lightspan-Agent`` (rollout/headers.py); with several policies (``policies``) a named
-   agent's call goes to the model of the policy that owns it, and a call to a policy's model name
-   records that policy and its version (rollout/routing.py);
+   ``/rollouts/r1/tasks/t7/v1/chat/completions``; a header wins over the path), and the agent's
+   name from ``x-lightspan-agent``; with several policies (``policies``) a named agent's call goes
+   to the model of the policy that owns it, and a call to a policy's model name records that
+   policy and its version (rollout/routing.py);
 4. answers with what the caller asked for (``strip_capture_fields``, on by default): the ids and
    logprobs the gateway added are set back to ``null``, exactly as vLLM sends those keys when they
-   were not requested, so a strict client sees vLLM's own answer to its own request. Fields the
-   caller did ask for (``return_token_ids``, ``logprobs``) are kept.
+   were not requested; fields the caller did ask for are kept. An Anthropic caller gets the
+   message or event stream of vLLM's own ``/v1/messages``; errors come in the caller's protocol's shape.
 
-The other paths of the table (``GET /v1/models``, embeddings, …) pass through untouched and
+The other paths of the table (``GET /v1/models``, embeddings, Anthropic's token count) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
 unauthenticated (see :mod:`lightspan.rollout.protocols`). Nothing of one caller reaches another:
-the upstream client keeps no cookies and the caller gets vLLM's body and content type only.
+the upstream client keeps no cookies (:mod:`lightspan.rollout.upstream`) and the caller gets
+vLLM's body and content type only.
 Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 and
 ``Retry-After``, then waits until the in-flight ones have finished (200 ``drained``, or 504 after
 ``?timeout_s=`` / ``drain_timeout_s``, still paused); ``POST /admin/resume`` (optional JSON body
 ``{"model_version": N}``) lets them in again. ``GET /admin/status`` and ``GET /health`` report.
 The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json`` (with
 several policies, the version of the policy the call's model name is).
+With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
+rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
+out of rotation (:mod:`lightspan.rollout.replicas`).
 
 Bounds (:mod:`lightspan.http`): connections, read time, request bytes; a call's body is read in
 full before it takes one of ``max_in_flight`` slots (past them, 429), so a client that never sends
@@ -45,8 +52,6 @@ import math
 import signal
 import threading
 import time
-from http import HTTPStatus
-from http.cookiejar import CookiePolicy
 from urllib.parse import parse_qs
 
 import requests
@@ -60,11 +65,13 @@ from lightspan.config import ConfigError
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.gateway_config import GatewayConfig
-from lightspan.rollout.headers import header_attributes
-from lightspan.rollout.protocols import ENDPOINTS, OutputTexts, call_attributes, dumps, input_messages, route
+from lightspan.rollout.exchanges import Exchange, error_body, exchange
+from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
+from lightspan.rollout.replicas import Upstreams, untraced_key
 from lightspan.rollout.routing import served_attributes, served_model
-from lightspan.tracing import semconv
-from lightspan.tracing.capture import Capture, loads, with_capture
+from lightspan.rollout.upstream import Upstream, lines
+from lightspan.tracing import messages, semconv, urls
+from lightspan.tracing.capture import loads
 
 __all__ = ["Gateway", "GatewayConfig", "route", "serve"]
 
@@ -75,27 +82,9 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _ADMIN_BODY_BYTES = 64 << 10
 
 
-class _NoCookies(CookiePolicy):
-    """The upstream session keeps no cookie: one caller's Set-Cookie never reaches another's call."""
-    netscape, rfc2965, hide_cookie2 = True, False, False
-
-    def set_ok(self, cookie, request) -> bool:
-        return False
-
-    def return_ok(self, cookie, request) -> bool:
-        return False
-
-    def domain_return_ok(self, domain, request) -> bool:
-        return False
-
-    def path_return_ok(self, path, request) -> bool:
-        return False
-
-
-def _error(code: int, message: str, headers: dict | None = None) -> http.Response:
-    """An OpenAI-style error answer."""
-    doc = {"error": {"message": message, "type": HTTPStatus(code).phrase, "code": code}}
-    return http.Response(code, "application/json", dumps(doc).encode(), dict(headers or {}))
+def _error(api: str | None, code: int, message: str, headers: dict | None = None) -> http.Response:
+    """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
+    return http.Response(code, "application/json", error_body(api, code, message), dict(headers or {}))
 
 
 class Gateway:
@@ -108,12 +97,9 @@ class Gateway:
         self.tracer = trace.get_tracer("lightspan.gateway", tracer_provider=tracer_provider)
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
+        self.replicas = Upstreams(cfg.upstreams, cfg.data_dir) if cfg.upstreams else None
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
-        self.session = requests.Session()
-        self.session.cookies.set_policy(_NoCookies())
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=cfg.max_in_flight)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
         self._server: http.Server | None = None
 
     @property
@@ -148,7 +134,7 @@ class Gateway:
             return self._route(request)
         except http.HTTPError as exc:
             headers = {**exc.headers, **({"Connection": "close"} if exc.close else {})}
-            return _error(exc.status, exc.message, headers)
+            return _error(protocols.api_of(request.raw_path.decode("latin-1")), exc.status, exc.message, headers)
 
     def _route(self, request: http.Request) -> http.Response | None:
         self.guard.check(request)
@@ -172,10 +158,10 @@ class Gateway:
         if method not in endpoint.methods:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
-        if endpoint.operation is None:
-            return self._passthrough(request, upstream)
-        return self._generate(request, endpoint.operation, upstream,
-                                    call_attributes(path_attrs, request.headers))
+        ids = call_attributes(path_attrs, request.headers)
+        if endpoint.api is None:
+            return self._passthrough(request, upstream, ids)
+        return self._generate(request, endpoint.api, upstream, ids)
 
     def _admin(self, request: http.Request) -> http.Response:
         if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
@@ -221,25 +207,35 @@ class Gateway:
     # --- upstream ----------------------------------------------------------------------------
     def _upstream_headers(self, request: http.Request) -> dict[str, str]:
         headers = {k: request.headers[k] for k in _FORWARDED_HEADERS if request.headers.get(k)}
+        if "authorization" not in headers and request.headers.get("x-api-key"):
+            # an Anthropic client's key, as vLLM's --api-key check reads keys (a bearer token)
+            headers["authorization"] = f"Bearer {request.headers['x-api-key']}"
         headers["Content-Type"] = "application/json"
         return headers
 
-    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False):
-        """One request to vLLM: no redirects followed, no cookies kept (see :class:`_NoCookies`)."""
-        return self.session.request(method, self.upstream + upstream, data=body, headers=headers, stream=stream,
-                                    allow_redirects=False, timeout=(5, self.cfg.upstream_timeout_s))
+    def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False, key: str = ""):
+        """One request to vLLM (with replicas, the one of rollout ``key``: rollout/replicas.py)."""
+        base = None
+        if self.replicas is not None:
+            base = self.replicas.pick(key)
+            if base is None:
+                raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
+            base = base.rstrip("/").removesuffix("/v1")
+        return self.client.send(method, upstream, headers, body, stream, base=base)
 
-    def _passthrough(self, request: http.Request, upstream: str) -> http.Response:
-        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …)."""
+    def _passthrough(self, request: http.Request, upstream: str, ids: dict) -> http.Response:
+        """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …);
+        with replicas, a rollout's calls still go to its replica."""
         body = request.body(self.cfg.max_body_bytes)
+        key = untraced_key(ids.get(semconv.ROLLOUT_ID), request.headers.get("traceparent"))
         try:
-            resp = self._send(request.method, upstream, self._upstream_headers(request), body)
+            resp = self._send(request.method, upstream, self._upstream_headers(request), body, key=key)
         except requests.RequestException as e:
-            return _error(502, f"upstream unreachable: {e}")
+            return _error(protocols.api_of(upstream), 502, f"upstream unreachable: {e}")
         return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------
-    def _generate(self, request: http.Request, op: str, upstream: str, ids: dict) -> http.Response | None:
+    def _generate(self, request: http.Request, api: str, upstream: str, ids: dict) -> http.Response | None:
         # the whole body first: a client that never sends it holds no slot
         asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
@@ -249,53 +245,54 @@ class Gateway:
             raise http.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
-            return self._traced(request, op, upstream, asked, ids)
+            asked = self._routed(asked, ids.get(semconv.GEN_AI_AGENT_NAME))
+            return self._traced(request, exchange(api, asked, upstream, self.cfg.strip_capture_fields), ids)
         finally:
             self.admission.leave()
 
-    def _traced(self, request: http.Request, op: str, upstream: str, asked: dict, ids: dict):
-        agent = header_attributes(request.headers)
-        asked = self._routed(asked, agent.get(semconv.GEN_AI_AGENT_NAME))
-        model = str(asked.get("model", ""))
-        parent = _PROPAGATOR.extract(request.headers)
-        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model, **ids, **agent}
+    def _traced(self, request: http.Request, ex: Exchange, ids: dict) -> http.Response | None:
+        model = str(ex.asked.get("model", ""))
+        op = urls.OPERATION[ex.api]
+        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
+                 semconv.GEN_AI_SYSTEM: ex.system, **ids}
         if self.cfg.capture_content:
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = input_messages(asked, op)
-        span = self.tracer.start_span(f"{op} {model}".strip(), context=parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attrs)
+            try:
+                attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(ex.inputs())
+            except Exception:   # any JSON object is a request; vLLM refuses what it must
+                log.debug("gateway: could not read the request's messages", exc_info=True)
+        span = self.tracer.start_span(f"{op} {model}".strip(), context=_PROPAGATOR.extract(request.headers),
+                                      kind=trace.SpanKind.SERVER, attributes=attrs)
         headers = self._upstream_headers(request)
         _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))  # vLLM's own spans join ours
-        complete = False
+        complete, tail, answer = False, [], None
         try:
-            stream = bool(asked.get("stream"))
+            stream = bool(ex.asked.get("stream"))
             try:
-                resp = self._send("POST", upstream, headers, dumps(with_capture(asked, op)).encode(), stream)
+                # one rollout, one replica: its id, else its trace (a rollout without an id is a trace)
+                key = str(ids.get(semconv.ROLLOUT_ID) or format(span.get_span_context().trace_id, "032x"))
+                resp = self._send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream, key)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
-                return _error(502, f"upstream unreachable: {e}")
+                return _error(ex.api, 502, f"upstream unreachable: {e}")
             if resp.status_code != 200:
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
-                return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"),
-                                     resp.content)
-            cap, texts = Capture.for_request(asked, op), OutputTexts(op)
-            if stream:
-                complete = self._relay(request, resp, cap, texts)
-                answer = None
+                return http.Response(resp.status_code,
+                                     *ex.error(resp.headers.get("content-type", "application/json"), resp.content))
+            # a stream asked for and a JSON body answered (an upstream that does not stream this
+            # request): the body is the answer, not an event stream that never ends
+            if stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                if self._relay(request, resp, ex):
+                    tail = ex.end()
             else:
                 try:
-                    payload = loads(resp.content)
-                except (ValueError, requests.RequestException) as e:
+                    answer = http.Response(200, "application/json", dumps(ex.answer(loads(resp.content))).encode())
+                except (ValueError, TypeError, AttributeError, requests.RequestException) as e:
                     self._upstream_failed(span, f"upstream answer unreadable: {e}")
-                    return _error(502, f"upstream answer unreadable: {e}")
-                cap.add(payload, hide=self.cfg.strip_capture_fields)  # the fields only the gateway asked for: null
-                texts.add(payload)
-                complete = True
-                answer = http.Response(200, "application/json", dumps(payload).encode())
+                    return _error(ex.api, 502, f"upstream answer unreadable: {e}")
+            complete = ex.finished
             if complete:
-                span.set_attributes({**cap.attributes(self.version.get()), **cap.genai_attributes(),
+                span.set_attributes({**ex.attributes(self.version.get(), self.cfg.capture_content),
                                      **served_attributes(self.version.published(), model)})
-                if self.cfg.capture_content:
-                    span.set_attribute(semconv.GEN_AI_OUTPUT_MESSAGES, texts.messages())
             else:
                 span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
         finally:
@@ -304,7 +301,9 @@ class Gateway:
             span.end()
         if answer is None:
             if complete:
-                request.write(b"", end=True)   # the stream's end, after the span
+                for frame in tail:             # the stream's end ([DONE], message_stop), after the span
+                    request.write(frame)
+                request.write(b"", end=True)
             else:
                 request.abandon()              # unterminated: the caller sees the break
         return answer
@@ -324,29 +323,15 @@ class Gateway:
         span.set_status(Status(StatusCode.ERROR, message))
         self.admission.count("upstream_errors")
 
-    def _relay(self, request: http.Request, resp, cap: Capture, texts: OutputTexts) -> bool:
-        """Relay vLLM's server-sent events as they arrive; True when ``[DONE]`` was seen (the
-        stream's end is left to the caller, after the span has ended)."""
-        strip = self.cfg.strip_capture_fields
+    def _relay(self, request: http.Request, resp, ex: Exchange) -> bool:
+        """Relay vLLM's server-sent events as they arrive, as the caller's protocol has them; True
+        when vLLM's stream ended cleanly (its last frames are left to the caller, after the span)."""
         request.start(200, {"Content-Type": resp.headers.get("content-type", "text/event-stream"),
                             "Cache-Control": "no-cache"})
-        done = False
         try:
-            for line in _lines(resp.raw):
-                if not line.startswith(b"data:"):
-                    if line:  # event:, id:, comments: as they came
-                        request.write(line + b"\n")
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                elif data.startswith(b"{"):
-                    chunk = loads(data)
-                    cap.add(chunk, hide=strip)
-                    texts.add(chunk)
-                    if strip:
-                        data = dumps(chunk).encode()
-                request.write(b"data: " + data + b"\n\n")
+            for line in lines(resp.raw):
+                for frame in ex.frames(line):
+                    request.write(frame)
         except http.ClientGone:
             log.info("the caller left mid-stream")
             return False
@@ -355,19 +340,7 @@ class Gateway:
             return False
         finally:
             resp.close()
-        return done
-
-
-def _lines(raw):
-    """Lines of a streamed body as soon as they arrive, chunked or not (``iter_lines`` would wait
-    for a full read of a body that is not chunk-encoded)."""
-    pending = b""
-    while data := raw.read1(65536, decode_content=True):
-        *lines, pending = (pending + data).split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r")
-    if pending:
-        yield pending.rstrip(b"\r")
+        return True
 
 
 def _tracer_provider(cfg: GatewayConfig):

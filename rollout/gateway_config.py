@@ -15,6 +15,11 @@ from lightspan.store.policies import load as load_policies
 @dataclass(frozen=True)
 class GatewayConfig:
     upstream: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server (without /v1).")
+    upstreams: tuple[str, ...] = option(
+        (), "Several vLLM replicas instead of upstream, comma-separated base URLs (dns+http://NAME:PORT: every "
+            "address of NAME, a Kubernetes headless Service). A rollout's calls all go to one replica (its prefix "
+            "cache), rollouts spread over them; replicas the trainer's last sync took out of rotation "
+            "(DATA_DIR/replicas.json) get none.")
     host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
@@ -50,6 +55,10 @@ class GatewayConfig:
         if not urlsplit(self.upstream).scheme.startswith("http"):
             raise ConfigError("gateway", "upstream", f"{self.upstream!r} is not an http(s) URL",
                               "pass --upstream http://HOST:PORT (the vLLM server)")
+        for target in self.upstreams:
+            if not urlsplit(target.removeprefix("dns+")).scheme.startswith("http"):
+                raise ConfigError("gateway", "upstreams", f"{target!r} is not an http(s) URL",
+                                  "pass --upstreams http://HOST:PORT,... or dns+http://NAME:PORT")
         for name in ("max_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError("gateway", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")

@@ -108,6 +108,9 @@ class RolloutConfig:
                 raise ConfigError("rollout", name, "must be at least 1", f"pass --{name} 1 or more")
         if self.timeout_s <= 0:
             raise ConfigError("rollout", "timeout_s", "must be positive", "pass --timeout-s SECONDS")
+        if store.is_remote(self.data_dir) and not self.logs_dir:
+            raise ConfigError("rollout", "logs_dir", f"data_dir {self.data_dir!r} is a bucket; each rollout's "
+                              "output is written to a local directory", "pass --logs-dir DIR")
         for item in self.env_map:
             name, sep, _ = item.partition("=")
             if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):

@@ -4,7 +4,8 @@
 - :mod:`~lightspan.store.policy` — ``policy.json``, the served policy version (one writer, one reader);
 - :mod:`~lightspan.store.schema` — the Parquet schemas of spans, logs, transitions, train steps;
 - :mod:`~lightspan.store.files` — which files hold a table's rows; atomic writes;
-- :mod:`~lightspan.store.views` — DuckDB views (``spans``, ``llm_calls``, ``rollouts``, ``rewards``, …).
+- :mod:`~lightspan.store.views` — DuckDB views (``spans``, ``llm_calls``, ``rollouts``, ``rewards``, …);
+- :mod:`~lightspan.store.objects` — a data location in an S3-compatible bucket (``s3://bucket/prefix``).
 
 The collector is the only writer of spans and logs; every reader opens DuckDB views over the
 Parquet files, so none waits on a writer's lock. Importing the store never pulls in the
@@ -18,18 +19,19 @@ from __future__ import annotations
 import importlib
 
 from lightspan.store import policy
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir
+from lightspan.store.layout import (DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir, is_remote, join, read_text,
+                                    write_text)
 
 # name -> module: pyarrow and duckdb load when one of these is first used, not at import
 _LAZY = {
     "SPAN_SCHEMA": "schema", "LOG_SCHEMA": "schema", "TRANSITION_SCHEMA": "schema",
     "TRAIN_STEP_SCHEMA": "schema", "SCHEMAS": "schema", "TABLES": "schema", "PARTITIONED": "schema",
-    "SUPERSEDES_SUFFIX": "files", "table_files": "files", "write_table": "files",
+    "SUPERSEDES_SUFFIX": "files", "table_files": "files", "write_table": "files", "open_input": "files",
     "connect": "views", "with_all_columns": "views", "retry_vanished": "views", "dedup_clause": "views",
     "quote": "views", "quote_list": "views",
 }
 
-__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "policy", *_LAZY]
+__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "join", "read_text", "write_text", "policy", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -8,6 +8,10 @@
     train_steps/part-*.parquet                 written by ``lightspan train``
     policy.json                                the served policy (lightspan.store.policy)
     wal/                                       the collector's write-ahead log
+
+A data location may also be an S3-compatible bucket, ``s3://bucket/prefix`` (lightspan.store.objects):
+the same tables and ``policy.json`` as objects under the prefix; the collector's WAL stays on its
+local disk (its ``wal_dir``), and each collector writes under ``TABLE/collector=<id>/date=…/``.
 """
 
 from __future__ import annotations
@@ -18,13 +22,26 @@ from pathlib import Path
 DATA_DIR_ENV = "LIGHTSPAN_DATA_DIR"
 DEFAULT_DATA_DIR = "./lightspan-data"
 """The data directory when neither a config field nor ``$LIGHTSPAN_DATA_DIR`` names one."""
+REMOTE_SCHEME = "s3://"
 WAL_DIR = "wal"
 ROLLOUT_LOGS_DIR = "rollout-logs"
 
 
-def data_dir(path: str | os.PathLike | None = None) -> Path:
-    """The data directory: ``path``, else ``$LIGHTSPAN_DATA_DIR``, else ``./lightspan-data``."""
-    return Path(path or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+def is_remote(location: str | os.PathLike | None) -> bool:
+    """Whether a data location is a bucket (``s3://bucket/prefix``), not a directory."""
+    return isinstance(location, str) and location.startswith(REMOTE_SCHEME)
+
+
+def data_dir(path: str | os.PathLike | None = None) -> Path | str:
+    """The data location: ``path``, else ``$LIGHTSPAN_DATA_DIR``, else ``./lightspan-data``. A
+    directory is a ``Path``; a bucket stays its ``s3://bucket/prefix`` string (never a local path)."""
+    location = path or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+    if is_remote(location):
+        return location.rstrip("/")
+    if str(location).startswith("s3:/"):
+        # an s3:// URL that went through Path() ("s3:/bucket"): never a local directory instead
+        raise ValueError(f"{str(location)!r} is a bucket URL that lost a '/': pass it as the string s3://BUCKET/PREFIX")
+    return Path(location)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -34,3 +51,33 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def join(location: Path | str, *parts: str) -> Path | str:
+    """``location / part / …``: a path, or a longer ``s3://`` URL."""
+    if is_remote(location):
+        return "/".join([str(location).rstrip("/"), *parts])
+    return Path(location).joinpath(*parts)
+
+
+def read_text(location: Path | str) -> str:
+    """The text of a small file or object (``FileNotFoundError`` when there is none)."""
+    if is_remote(location):
+        from lightspan.store import objects
+
+        return objects.read_bytes(location).decode()
+    return Path(location).read_text()
+
+
+def write_text(location: Path | str, text: str) -> None:
+    """Replace a small file or object atomically: a temporary file then a rename; one PUT in a bucket."""
+    if is_remote(location):
+        from lightspan.store import objects
+
+        objects.put_bytes(location, text.encode())
+        return
+    location = Path(location)
+    location.parent.mkdir(parents=True, exist_ok=True)
+    tmp = location.parent / f".{location.name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, location)

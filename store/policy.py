@@ -15,8 +15,10 @@ A data directory trains one unnamed policy (no ``--policies``) or several named 
 A named policy is served under its name (the model name its agents call), so the version that
 served a call follows from the model name the call used (:func:`served_by`). The file is replaced
 atomically (a temporary file, then a rename), so a reader sees the old or the new one, never a
-mix; writers of named policies update their own entry under a lock (``policy.json.lock``), so
-trainers of different policies may publish at once.
+mix (in a bucket, ``s3://…``, one PUT; reading it there needs pyarrow, lightspan.store.objects).
+Writers of named policies update their own entry under a lock (``policy.json.lock``), so trainers
+of different policies may publish at once; a bucket has no lock, so there the policies of one data
+location publish from one process (one ``lightspan train``, as trainer/policies.py runs them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan.store.layout import data_dir as _data_dir
+from lightspan.store.layout import is_remote, read_text, write_text
 
 FILE = "policy.json"
 _VERSIONED = re.compile(r"(.+)-v(\d+)")
@@ -44,8 +47,10 @@ class Policy:
     name: str = ""        # the policy's name (its served model name); "" for the unnamed policy
 
 
-def path(data_dir: str | os.PathLike | None = None) -> Path:
-    return _data_dir(data_dir) / FILE
+def path(data_dir: str | os.PathLike | None = None) -> Path | str:
+    """Where policy.json is: a path, or an ``s3://`` URL for a data location in a bucket."""
+    root = _data_dir(data_dir)
+    return f"{root}/{FILE}" if is_remote(root) else root / FILE
 
 
 def _entry(doc, name: str = "") -> Policy:
@@ -54,7 +59,7 @@ def _entry(doc, name: str = "") -> Policy:
 
 def _load(data_dir) -> dict:
     try:
-        doc = json.loads(path(data_dir).read_text())
+        doc = json.loads(read_text(path(data_dir)))
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -116,20 +121,22 @@ def served_by(published: Mapping[str, Policy], model: str | None) -> Policy | No
 def write(data_dir: str | os.PathLike, version: int, checkpoint: str | os.PathLike, *,
           name: str | None = None) -> Policy:
     """Publish ``version`` of policy ``name`` (default: the unnamed one) served from ``checkpoint``,
-    atomically (temporary file + rename). A named entry replaces only its own entry (other policies'
-    stay); the unnamed policy replaces the whole file."""
+    atomically (temporary file + rename; one PUT in a bucket). A named entry replaces only its own
+    entry (other policies' stay); the unnamed policy replaces the whole file."""
     root = _data_dir(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
     policy = Policy(int(version), str(Path(checkpoint).resolve()), time.time_ns(), name or "")
     entry = {"version": policy.version, "path": policy.path, "time_unix_nano": policy.time_unix_nano}
+
+    def publish() -> None:
+        named = _load(root).get("policies") if name else None
+        doc = {"policies": {**(named if isinstance(named, dict) else {}), name: entry}} if name else entry
+        write_text(path(root), json.dumps(doc) + "\n")
+
+    if is_remote(root):
+        publish()
+        return policy
+    root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{FILE}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)       # read-modify-write of the named entries
-        if name:
-            named = _load(root).get("policies")
-            doc = {"policies": {**(named if isinstance(named, dict) else {}), name: entry}}
-        else:
-            doc = entry
-        tmp = root / f".{FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(doc) + "\n")
-        os.replace(tmp, root / FILE)
+        publish()
     return policy

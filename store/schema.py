@@ -98,6 +98,7 @@ TRAIN_STEP_SCHEMA = pa.schema([
     ("clip_ratio", pa.float64()),
     ("is_ratio_mean", pa.float64()),
     ("entropy", pa.float64()),
+    ("entropy_floor", pa.float64()),         # the trainer's entropy_floor when the step ran (null: none)
     ("kl", pa.float64()),
     ("grad_norm", pa.float64()),             # the gradient's L2 norm before clipping (the last pass's)
     ("staleness_mean", pa.float64()),

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
 import duckdb
 
 from lightspan.store.files import table_files
-from lightspan.store.layout import data_dir
+from lightspan.store.layout import data_dir, is_remote
 from lightspan.store.schema import PARTITIONED, SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -38,21 +39,25 @@ _VIEWS = {
     # traceparent) the innermost with token ids is kept, as the transition builder keeps it.
     "llm_calls": f"""
         WITH c AS (
-            SELECT *, coalesce(rollout_id, trace_id) AS rollout_key
+            SELECT *, coalesce(rollout_id, trace_id) AS rollout_key,
+                   -- per trace, over its LLM spans: their parents, the parents of those with token
+                   -- ids, and those with token ids (a window on the trace id: a filter on the trace
+                   -- ids of a rollout still reaches the Parquet scan, as no join would let it)
+                   list(parent_span_id) OVER t AS _parents,
+                   list(parent_span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_parents,
+                   list(span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_spans
             FROM spans
             WHERE (prompt_token_ids IS NOT NULL OR operation_name IN {_LLM_OPERATIONS})
               -- marked by the instrumentor: another span carries this call
               AND capture_status IS DISTINCT FROM 'duplicate'
-        ), kids AS (
-            SELECT trace_id, parent_span_id AS span_id, bool_or(prompt_token_ids IS NOT NULL) AS with_tokens
-            FROM c WHERE parent_span_id IS NOT NULL GROUP BY ALL
+            WINDOW t AS (PARTITION BY trace_id)
         )
-        SELECT c.* FROM c
-        LEFT JOIN kids k ON k.trace_id = c.trace_id AND k.span_id = c.span_id
-        LEFT JOIN (SELECT trace_id, span_id FROM c WHERE prompt_token_ids IS NOT NULL) p
-               ON p.trace_id = c.trace_id AND p.span_id = c.parent_span_id
-        WHERE (k.span_id IS NULL OR NOT (k.with_tokens OR c.prompt_token_ids IS NULL))
-          AND NOT (c.prompt_token_ids IS NULL AND p.span_id IS NOT NULL)""",
+        SELECT * EXCLUDE (_parents, _token_parents, _token_spans) FROM c
+        -- an enclosing span stays only when it has token ids and none of the spans inside it has
+        WHERE (NOT list_contains(_parents, span_id)
+               OR NOT (list_contains(_token_parents, span_id) OR prompt_token_ids IS NULL))
+          -- a span without token ids inside one with them describes the same call
+          AND NOT (prompt_token_ids IS NULL AND coalesce(list_contains(_token_spans, parent_span_id), false))""",
     # who gave each reward and why (lightspan.reward.*): a reward span without a source is the agent's
     "rewards": """
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
@@ -143,6 +148,15 @@ _DERIVED = {
                arg_max(reward, time_unix_nano) FILTER (WHERE source = 'human') AS human
         FROM rewards WHERE call_span_id IS NULL GROUP BY rollout_key
         HAVING judge IS NOT NULL AND human IS NOT NULL""",
+    # reward drift: the mean rollout reward each source gave per policy version (each rollout's
+    # latest score from each source); a judge that drifts from people as the policy learns shows here
+    "reward_drift": """
+        WITH latest AS (
+            SELECT rollout_key, source, arg_max(reward, time_unix_nano) AS reward
+            FROM rewards WHERE call_span_id IS NULL GROUP BY ALL)
+        SELECT r.model_version, coalesce(r.split, 'train') AS split, l.source, count(*) AS rollouts,
+               avg(l.reward) AS reward_mean
+        FROM latest l JOIN rollouts r USING (rollout_key) GROUP BY ALL""",
 }
 
 
@@ -166,21 +180,24 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     """
     root = data_dir(path)
     con = duckdb.connect(database)
+    if is_remote(root):
+        from lightspan.store import objects
+
+        objects.register(con)            # read_parquet('s3://…') for readers that name files
     for table, schema in SCHEMAS.items():
         con.register(f"_{table}_empty", schema.empty_table())
         source = f"SELECT * FROM _{table}_empty"
         if table in PARTITIONED:         # a snapshot of the files: see table_files
             files = table_files(root, table)
             if files:
-                listing = ", ".join(quote(str(f)) for f in files)
-                source = (f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, "
-                          f"union_by_name=true)")
-                source = with_all_columns(con, table, source)
-                if any(len(f.relative_to(root / table).parts) > 2 for f in files):
+                source = _files_source(con, root, table, files, hive=True)
+                if len(_collectors(root, table, files)) > 1:
                     # a tree merged from several collectors (collector=<n>/date=…): a batch
                     # retried to another collector is in it twice, so this view deduplicates
                     source += f" QUALIFY {dedup_clause(table)}"
-        elif (glob := _glob(root, table)) is not None:
+        elif is_remote(root) and (files := _remote_flat_files(root, table)):
+            source = _files_source(con, root, table, files, hive=False)
+        elif not is_remote(root) and (glob := _glob(root, table)) is not None:
             source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning=false, union_by_name=true)"
             source = with_all_columns(con, table, source)
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
@@ -191,6 +208,46 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     for name, sql in _DERIVED.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
     return con
+
+
+def _files_source(con, root, table: str, files: list, *, hive: bool) -> str:
+    """A query over ``files`` of ``table``, with every column of its schema."""
+    if is_remote(root):
+        # a pyarrow dataset over the objects, with the table's schema (a column older files lack
+        # reads as null): DuckDB pushes projections and filters into its scan, and no file's
+        # footer is fetched before a query needs it (see lightspan.store.objects)
+        import pyarrow.dataset as ds
+
+        from lightspan.store import objects
+
+        name = f"_{table}_files"
+        con.register(name, ds.dataset([objects.path_of(f) for f in files], schema=SCHEMAS[table],
+                                      format="parquet", filesystem=objects.filesystem()))
+        return f"SELECT * FROM {name}"
+    listing = ", ".join(quote(str(f)) for f in files)
+    if hive:
+        source = f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, union_by_name=true)"
+    else:
+        source = f"SELECT * FROM read_parquet([{listing}], hive_partitioning=false, union_by_name=true)"
+    return with_all_columns(con, table, source)
+
+
+def _collectors(root, table: str, files: list) -> set[str]:
+    """The collectors whose trees ``files`` come from ("" for a collector's own ``date=…`` tree)."""
+    prefix = f"{root}/{table}/" if is_remote(root) else None
+    found = set()
+    for f in files:
+        parts = (str(f)[len(prefix):] if prefix else str(Path(f).relative_to(Path(root) / table))).split("/")
+        found.add(parts[0] if len(parts) > 2 else "")
+    return found
+
+
+def _remote_flat_files(root: str, table: str) -> list[str]:
+    from lightspan.store import objects
+
+    return sorted(e.url for e in objects.list_files(f"{root}/{table}")
+                  if e.url.rsplit("/", 1)[-1].startswith("part-") and e.url.endswith(".parquet")
+                  and e.url.count("/") == f"{root}/{table}/x".count("/"))
 
 
 def with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
@@ -214,12 +271,16 @@ def retry_vanished(fn: Callable[[], T], *, attempts: int = 5) -> T:
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except duckdb.IOException as exc:
-            # a globbed file gone: "No such file"; a file of a connection's listing gone: "No files found"
-            if attempt == attempts or not any(m in str(exc) for m in ("No such file", "No files found")):
+        except (duckdb.IOException, duckdb.InvalidInputException, FileNotFoundError) as exc:
+            if attempt == attempts or not any(m in str(exc) for m in _VANISHED):
                 raise
             log.info("a Parquet file vanished under a read (compaction); reading again (%d/%d)", attempt, attempts)
     raise AssertionError("unreachable")
+
+
+# a globbed file gone: "No such file"; a file of a connection's listing gone: "No files found";
+# an object of a bucket's listing gone: pyarrow's "Path does not exist" / NoSuchKey
+_VANISHED = ("No such file", "No files found", "Path does not exist", "NoSuchKey")
 
 
 def dedup_clause(table: str) -> str:

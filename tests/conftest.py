@@ -45,6 +45,31 @@ def collector_process(data: Path, log_path: Path):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-API server on loopback (moto's, tests/s3server.py), with this process's AWS
+    environment pointing at it for the session. ``s3_server.create_bucket(name)`` → ``s3://name``."""
+    from tests.s3server import S3Server, aws_environment
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    server = S3Server(ARTIFACTS / "s3-test.log").start()
+    try:
+        with aws_environment(server.env):
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request) -> str:
+    """A new empty bucket for one test: ``s3://<name>``."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    return s3_server.create_bucket(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from lightspan.models import build_tiny_model
 

@@ -37,8 +37,11 @@ from lightspan.rollout.runner import RolloutConfig, load_tasks
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 LORA_OVERRIDE = ROOT / "deploy" / "compose" / "lora.yml"
+BUCKET_OVERRIDE = ROOT / "deploy" / "compose" / "bucket.yml"
+BUCKET_ENV = {"MINIO_ROOT_PASSWORD": "compose-test-minio-secret"}
 K8S = ROOT / "deploy" / "k8s"
 GPU_OVERLAY = K8S / "overlays" / "gpu"
+BUCKET_OVERLAY = K8S / "overlays" / "bucket"
 NAMESPACE = "lightspan"
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +253,9 @@ class Stack:
             config = otelcol_config(self)
             ports = {host_port(p["endpoint"])[1] for p in config["receivers"]["otlp"]["protocols"].values()}
             return ports | {host_port(config["extensions"]["health_check"]["endpoint"])[1]}
+        if name == "minio":
+            command = command_list(service)
+            return {host_port(flag(command, "--address"))[1], host_port(flag(command, "--console-address"))[1]}
         return {"prometheus": {9090}, "grafana": {3000}}.get(name, set())
 
     def vllm_command(self) -> list[str]:
@@ -273,9 +279,12 @@ def stack() -> Stack:
     return Stack()
 
 
-@pytest.fixture(scope="module", params=["reload", "lora"])
+@pytest.fixture(scope="module", params=["reload", "lora", "bucket"])
 def variant(request) -> Stack:
-    """The default stack and the LoRA override (deploy/compose/lora.yml)."""
+    """The default stack, the LoRA override (deploy/compose/lora.yml) and the store in a bucket
+    (deploy/compose/bucket.yml)."""
+    if request.param == "bucket":
+        return Stack(BUCKET_OVERRIDE, environ=BUCKET_ENV)
     return Stack() if request.param == "reload" else Stack(LORA_OVERRIDE)
 
 
@@ -301,7 +310,8 @@ def test_every_service_has_a_health_check_a_restart_policy_and_pinned_images(sta
             if cond["condition"] == "service_completed_successfully":
                 assert stack.services[dep]["restart"] == "on-failure", f"{dep} is one-shot: restart on-failure only"
     assert stack.services["otelcol"].get("profiles") == ["otelcol"], "the OpenTelemetry Collector is optional"
-    assert all(not s.get("profiles") for n, s in stack.services.items() if n != "otelcol")
+    assert stack.services["minio"].get("profiles") == stack.services["bucket"].get("profiles") == ["bucket"]
+    assert all(not s.get("profiles") for n, s in stack.services.items() if n not in ("otelcol", "minio", "bucket"))
 
 
 def test_referenced_files_exist_and_the_build_context_keeps_them(stack):
@@ -451,6 +461,31 @@ def test_every_job_shares_the_data_volume_at_its_data_dir(stack):
             assert mounts.get(job.config.data_dir, {}).get("source") == volume["source"], \
                 f"{name} reads {job.config.data_dir}, which is not the collector's volume"
             assert not mounts[job.config.data_dir]["read_only"]
+
+
+def test_the_bucket_override_puts_every_jobs_data_in_the_bucket_the_stack_creates():
+    stack = Stack(BUCKET_OVERRIDE, environ=BUCKET_ENV)
+    locations = {name: job.config.data_dir for name, job in stack.jobs.items()
+                 if job.config is not None and hasattr(job.config, "data_dir")}
+    assert set(locations) >= {"collector", "agent", "transitions", "trainer"}
+    (location,) = set(locations.values())
+    assert location.startswith("s3://")
+    bucket = location[len("s3://"):].split("/", 1)[0]
+    creates = " ".join(command_list(stack.services["bucket"]))
+    assert f"mc mb --ignore-existing store/{bucket}" in creates and "http://minio:9000" in creates
+    for name in locations:
+        env = env_of(stack.services[name])
+        assert host_port(env["AWS_ENDPOINT_URL"]) == ("minio", 9000) and 9000 in stack.listening_ports("minio")
+        assert env["AWS_ACCESS_KEY_ID"] == env_of(stack.services["minio"])["MINIO_ROOT_USER"]
+        assert env["AWS_SECRET_ACCESS_KEY"] == BUCKET_ENV["MINIO_ROOT_PASSWORD"] == env_of(stack.services["minio"])["MINIO_ROOT_PASSWORD"]
+    _, collector = stack.job("collector")
+    assert collector.config.collector_id and collector.config.wal_dir
+    wal = [m for m in mounts_of(stack.services["collector"]) if Path(collector.config.wal_dir).is_relative_to(m["target"])]
+    assert wal and not wal[0]["bind"] and not wal[0]["read_only"], "the WAL is on the collector's own volume"
+    assert stack.services["collector"]["depends_on"]["bucket"]["condition"] == "service_completed_successfully"
+    assert stack.services["bucket"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    _, rollout = stack.job("rollout")
+    assert rollout.config.logs_dir
 
 
 def test_otel_collector_profile_forwards_otlp_to_lightspan_in_batches(stack):
@@ -766,9 +801,9 @@ def kustomize(directory: Path) -> list[dict]:
     return docs
 
 
-@pytest.fixture(scope="module", params=["base", "gpu"])
+@pytest.fixture(scope="module", params=["base", "gpu", "bucket"])
 def rendered(request) -> list[dict]:
-    return kustomize(K8S if request.param == "base" else GPU_OVERLAY)
+    return kustomize({"base": K8S, "gpu": GPU_OVERLAY, "bucket": BUCKET_OVERLAY}[request.param])
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -795,7 +830,7 @@ def test_kustomize_output_is_a_set_of_valid_looking_resources(rendered):
             for c in containers(doc):
                 assert c["name"] and re.fullmatch(r"[\w./-]+:[\w.-]+", c["image"]), \
                     f"{name}/{c['name']}: image {c['image']!r} has no tag"
-                assert c["image"].split(":")[0] in ("lightspan", "vllm/vllm-openai")
+                assert c["image"].split(":")[0] in ("lightspan", "vllm/vllm-openai", "minio/minio", "minio/mc")
             if doc["kind"] in ("Deployment", "StatefulSet"):
                 selector = doc["spec"]["selector"]["matchLabels"]
                 assert selector.items() <= pod_labels(doc).items(), f"{name}: selector does not match its pods"
@@ -888,7 +923,7 @@ def test_lightspan_containers_run_real_commands_that_reach_the_services(rendered
     (model,) = [j for j in jobs.values() if j.name == "model"]
     for job in jobs.values():
         if job.name == "collector":
-            assert job.config.host == "0.0.0.0" and job.config.data_dir == "/data"
+            assert job.config.host == "0.0.0.0" and job.config.data_dir in ("/data", "s3://lightspan/data")
         if job.name == "train":
             assert job.config.mode == "once" and job.config.sync == "reload"
             assert job.config.metrics_host == "0.0.0.0"
@@ -931,6 +966,50 @@ def test_gpu_overlay_schedules_gpu_pods_on_gpu_nodes_and_keeps_the_base():
         assert trainer["image"].endswith("-cu128") and trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert trainer["resources"]["requests"] == pod_spec(by_kind(base, kind)["lightspan-train"])["containers"][0]["resources"]["requests"]
     assert "nvidia.com/gpu" in pod_spec(by_kind(gpu, "Deployment")["vllm"])["containers"][0]["resources"]["limits"]
+
+
+def test_the_trainer_syncs_every_vllm_replica_and_the_gpu_overlay_runs_several():
+    for directory in (K8S, GPU_OVERLAY):
+        docs = kustomize(directory)
+        vllm = by_kind(docs, "Deployment")["vllm"]
+        headless = by_kind(docs, "Service")["vllm-replicas"]
+        assert headless["spec"]["clusterIP"] == "None", "one address per replica: a headless Service"
+        assert headless["spec"]["selector"].items() <= pod_labels(vllm).items()
+        for job in k8s_jobs(docs).values():
+            if job.name == "train":
+                (target,) = job.config.vllm_replicas
+                assert target.startswith("dns+http://")
+                assert resolve_service(docs, target[len("dns+"):]) == {8000}
+        if directory == GPU_OVERLAY:
+            assert vllm["spec"]["replicas"] >= 2
+
+
+def test_the_bucket_overlay_puts_every_jobs_data_in_the_bucket_it_creates():
+    docs = kustomize(BUCKET_OVERLAY)
+    jobs = k8s_jobs(docs)
+    locations = {key: job.config.data_dir for key, job in jobs.items() if hasattr(job.config, "data_dir")}
+    assert {j.name for k, j in jobs.items() if k in locations} == {"collector", "transitions", "train"}
+    (location,) = set(locations.values())
+    bucket = location[len("s3://"):].split("/", 1)[0]
+    (mc,) = containers(by_kind(docs, "Job")["lightspan-bucket"])
+    assert f"mc mb --ignore-existing store/{bucket}" in " ".join(mc["args"])
+    minio = by_kind(docs, "StatefulSet")["minio"]
+    (server,) = containers(minio)
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in server["env"]}
+    for doc in docs:
+        for c in containers(doc):
+            env = {e["name"]: e for e in c.get("env", [])}
+            if "LIGHTSPAN_DATA_DIR" in env and env["LIGHTSPAN_DATA_DIR"].get("value", "").startswith("s3://"):
+                resolve_service(docs, env["AWS_ENDPOINT_URL"]["value"])
+                assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == secrets["MINIO_ROOT_USER"]
+    for key, job in jobs.items():
+        if job.name == "collector":
+            assert job.config.wal_dir.startswith("/data/")
+            (collector,) = [c for c in containers(by_kind(docs, "StatefulSet")["lightspan-collector"]) if c["name"] == key[1]]
+            (cid,) = [e for e in collector["env"] if e["name"] == "LIGHTSPAN_COLLECTOR_COLLECTOR_ID"]
+            assert cid["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", "one prefix per replica"
+        if job.name == "train":
+            assert job.config.output_dir.startswith("/data/"), "checkpoints on the volume vLLM mounts"
 
 
 def test_the_collector_manifest_requires_its_token_and_the_agents_send_it(rendered, tmp_path):

@@ -24,7 +24,10 @@ ALLOWED = {
     "tracing": set(),
     "store": {"lightspan.config"},     # export's config; layout and policy stay standard library (below)
     "collector": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
+    # the gateway captures with the instrumentor's own pure captures and message conversions
     "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.capture",
+                "lightspan.tracing.capture_responses", "lightspan.tracing.capture_anthropic",
+                "lightspan.tracing.anthropic_convert", "lightspan.tracing.messages", "lightspan.tracing.urls",
                 "lightspan.tracing.sse", *COMMON},
     "lightningrl": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
     "trainer": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
@@ -34,7 +37,7 @@ ALLOWED = {
 # third-party packages a part may import (the standard library always)
 THIRD_PARTY = {
     "tracing": {"opentelemetry", "wrapt", "orjson", "openai", "anthropic", "httpx", "httpx2"},
-    "store": {"duckdb", "pyarrow"},
+    "store": {"duckdb", "pyarrow", "fsspec"},   # fsspec: DuckDB reads s3:// by name through it (store/objects.py)
 }
 HEAVY = ("torch", "transformers", "trl", "duckdb", "grpc", "pyarrow", "accelerate", "peft")
 

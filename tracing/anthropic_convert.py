@@ -22,7 +22,8 @@ functions over JSON dicts, for the instrumentor and a gateway alike:
 
 Where vLLM itself fails (a tool call whose arguments are not a JSON object makes its converter
 raise, and the call end in a 400), the message here carries the arguments as they parse, or
-``{}``; an error answer keeps the chat-completions error body.
+``{}``; an error answer keeps the chat-completions error body (:func:`to_error` makes the
+Anthropic one of it, as vLLM's route does, for a gateway).
 """
 
 from __future__ import annotations
@@ -372,3 +373,12 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def to_error(chat_error) -> dict:
+    """Anthropic's error body of a chat completions error answer (vLLM's ``translate_error_response``:
+    the error's type and message); an answer that is not vLLM's error shape gives an ``api_error``."""
+    error = chat_error.get("error") if isinstance(chat_error, dict) else None
+    error = error if isinstance(error, dict) else {}
+    return {"type": "error", "error": {"type": str(error.get("type") or "api_error"),
+                                       "message": str(error.get("message") or "")}}

@@ -29,6 +29,8 @@ class AnthropicCapture:
             self.chat_body = to_chat(body)
         except Unsupported as e:
             self.unsupported = str(e)
+        except (TypeError, AttributeError, KeyError) as e:   # malformed: the server refuses it, not lightspan
+            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
         # the Anthropic answer has no field for ids or logprobs: nothing of the chat answer's is shown
         self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
         temperature = body.get("temperature")

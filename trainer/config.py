@@ -36,6 +36,11 @@ class TrainerConfig:
                            "served_model_name.", env=POLICIES_ENV)
     # weight sync
     vllm_url: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server to push weights to.")
+    vllm_replicas: tuple[str, ...] = option(
+        (), "Several vLLM replicas to sync instead of vllm_url, comma-separated base URLs; "
+        "dns+http://NAME:PORT stands for every address NAME resolves to (a Kubernetes headless Service), "
+        "resolved at each sync. All are paused, synced, resumed and verified together; one that fails is "
+        "out of rotation (DATA_DIR/replicas.json, which the gateway follows) until a later sync reaches it.")
     served_model_name: str = option("policy", "The name agents call the policy by (used to verify a sync). "
                                     "With sync 'lora' it is the adapter's stable name, and vLLM serves the "
                                     "base model under another name (lightspan vllm --lora-rank R does).")
@@ -108,6 +113,11 @@ class TrainerConfig:
     torch_threads: int = option(0, "torch.set_num_threads; 0 keeps torch's default.")
     keep_checkpoints: int = option(2, "Keep the newest this many checkpoints; older ones are deleted.")
     # monitoring
+    entropy_floor: float = option(0.0, "Warn when the policy's mean per-token entropy over a step's completion "
+                                  "tokens (nats) falls below this: exploration collapsing (a log warning, the "
+                                  "lightspan_trainer_entropy_below_floor_total counter, a warning on the UI's "
+                                  "training page). Training goes on. 0 = no floor; e.g. 0.3 for a chat model "
+                                  "sampled at temperature 1.")
     metrics_host: str = option("127.0.0.1", "Bind address of the Prometheus /metrics endpoint.")
     metrics_port: int = option(9464, "Port of the Prometheus /metrics endpoint; 0 disables it.")
 
@@ -130,7 +140,7 @@ class TrainerConfig:
                      "pass e.g. --every 30m (units ms, s, m, h, d)")
         if not self.learning_rate > 0:
             fail("learning_rate", f"must be > 0, got {self.learning_rate}", "pass e.g. --learning-rate 1e-5")
-        for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta"):
+        for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta", "entropy_floor"):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass a non-negative {name}")
         if self.epsilon >= 1:
@@ -156,6 +166,20 @@ class TrainerConfig:
                 fail("sync", f"'nccl' cannot run in this process: {problem}",
                      "run the trainer on an NVIDIA GPU with vllm installed beside it, at the server's version "
                      "(pip install vllm==<the server's version>), or pass --sync reload")
+        for target in self.vllm_replicas:
+            if not target.removeprefix("dns+").startswith(("http://", "https://")):
+                fail("vllm_replicas", f"{target!r} is not a base URL",
+                     "give http://HOST:PORT entries, or dns+http://NAME:PORT for every address of NAME")
+        if self.vllm_replicas and self.policies:
+            # replicas.json (trainer/replicas.py) records one version per replica, not one per policy
+            fail("vllm_replicas", "several replicas are synced for one policy, not yet for several policies",
+                 "serve several policies from one vLLM (--vllm-url), or train one policy per replica set")
+        if self.vllm_replicas and self.sync == "nccl":
+            fail("vllm_replicas", "'nccl' joins one vLLM server's workers in one NCCL group",
+                 "use --sync reload or lora with replicas, or one vllm_url with nccl")
+        if self.data_dir.startswith("s3://") and not self.output_dir:
+            fail("output_dir", f"data_dir {self.data_dir!r} is a bucket, and vLLM reads checkpoints from a path",
+                 "set --output-dir to a directory the trainer and every vLLM replica mount (e.g. /checkpoints)")
         if self.lora_r:
             if not self.lora_alpha > 0:
                 fail("lora_alpha", f"must be > 0, got {self.lora_alpha}", "pass e.g. --lora-alpha 32")

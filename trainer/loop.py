@@ -62,8 +62,9 @@ from lightspan.trainer.batches import Batch, Cursor, micro_batches, next_batch
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
-from lightspan.trainer.metrics import TrainerMetrics
+from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
+from lightspan.trainer.replicas import ReplicaSync
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,15 @@ class Trainer:
         self.policy = policy
         self.data_dir = store.data_dir(config.data_dir)
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
-        self.sync = sync or {"reload": lambda: ReloadSync(config.vllm_url),
-                             "lora": lambda: LoraSync(config.vllm_url, config.served_model_name),
-                             # the live tensors, not a checkpoint: the model exists after load_or_init
-                             "nccl": lambda: NcclSync(config.vllm_url,
-                                                      lambda: self.accelerator.unwrap_model(self.model)),
-                             }.get(config.sync, NoSync)()
+        def backend(url: str) -> WeightSync:
+            return {"reload": lambda: ReloadSync(url, serving=self._served_dir() if config.vllm_replicas else None),
+                    "lora": lambda: LoraSync(url, config.served_model_name),
+                    # the live tensors, not a checkpoint: the model exists after load_or_init
+                    "nccl": lambda: NcclSync(url, lambda: self.accelerator.unwrap_model(self.model)),
+                    }.get(config.sync, NoSync)()
+        # several replicas: each gets its backend, created at its first push (trainer/replicas.py)
+        self.sync = sync or (ReplicaSync(config.vllm_replicas, backend, self.data_dir) if config.vllm_replicas
+                             else backend(config.vllm_url))
         self.metrics = TrainerMetrics()           # served on /metrics by driver.run()
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         dist.fsdp_on_cpu(self.accelerator)
@@ -237,7 +241,9 @@ class Trainer:
 
     def _verifies(self) -> bool:
         """Whether publish checks the served logprobs against the trainer's."""
-        return self.config.verify_sync and isinstance(self.sync, (ReloadSync, LoraSync, NcclSync))
+        return self.config.verify_sync and isinstance(
+            self.sync, (ReloadSync, LoraSync, NcclSync, ReplicaSync)
+        )
 
     def _on_main(self, fn):
         return dist.on_main(self.accelerator, fn)
@@ -376,7 +382,8 @@ class Trainer:
         diff = None
         if self._verifies():
             ids, expected = expected or self.verify_sequence()
-            diff = verify(self.config.vllm_url, self.config.served_model_name, ids, expected)
+            diff = (self.sync.verify(self.config.served_model_name, ids, expected) if isinstance(self.sync, ReplicaSync)
+                    else verify(self.config.vllm_url, self.config.served_model_name, ids, expected))
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
         store.policy.write(self.data_dir, self.version, checkpoint, name=self.policy)
@@ -384,9 +391,11 @@ class Trainer:
         if metrics is None:
             self.metrics.set_version(self.version)
             return {}
+        floor = self.config.entropy_floor or None
         row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
-               "policy": self.policy, "step": self.version, "policy_version": self.version,
-               "time_unix_nano": time.time_ns()}
+               "policy": self.policy, "entropy_floor": floor,
+               "entropy_below_floor": int(entropy_warning(metrics.get("entropy"), floor) is not None),
+               "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names
         store.write_table(self.data_dir, "train_steps",
                           pa.Table.from_pylist([{k: row.get(k) for k in names}], schema=store.TRAIN_STEP_SCHEMA))
@@ -427,6 +436,8 @@ class Trainer:
                  f"{self.policy}: " if self.policy else "", self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
                  row["clip_ratio"], row["is_ratio_mean"], row["entropy"], row["skipped_stale"],
                  row["zero_advantage"], row["skipped_malformed"], row["step_seconds"], row["sync_seconds"])
+        if (warning := entropy_warning(row["entropy"], row["entropy_floor"])) is not None:
+            log.warning("%sversion %d: %s", f"{self.policy}: " if self.policy else "", self.version, warning)
         return row
 
     def train_round(self) -> list[dict]:

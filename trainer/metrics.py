@@ -33,6 +33,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "kl": ("Mean per-token k3 KL to the reference model in the last step (0 when beta is 0).", "kl"),
     "clip_ratio": ("Share of the last step's tokens whose ratio (or CISPO weight) was clipped.", "clip_ratio"),
     "entropy": ("Mean per-token entropy of the policy over the last step's completion tokens (nats).", "entropy"),
+    "entropy_floor": ("The configured entropy_floor (nats): a step whose entropy falls below it is warned of.",
+                      "entropy_floor"),
     "grad_norm": (("Total L2 norm of the last step's gradient before clipping to max_grad_norm "
                    "(of its last pass)."), "grad_norm"),
     "is_ratio_mean": (("Mean importance-sampling weight pi_old / pi_vllm after truncation or masking, "
@@ -48,10 +50,22 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "transitions_skipped_stale_total": (("Transitions skipped as more than max_staleness versions old "
                                          "(or of unknown version)."), "skipped_stale"),
     "sync_failures_total": ("Weight syncs that failed (SyncError).", None),
+    "entropy_below_floor_total": ("Steps whose mean per-token entropy fell below entropy_floor (exploration "
+                                  "collapsing).", "entropy_below_floor"),
 }
 HISTOGRAM = "sync_seconds"
 HISTOGRAM_HELP = "Wall time of a weight sync into vLLM (save excluded, verification excluded), seconds."
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)
+
+
+def entropy_warning(entropy: float | None, floor: float | None) -> str | None:
+    """The warning for a step whose entropy (nats per token) fell below ``floor``; None when it did
+    not, or when there is no floor (0 or None) or no entropy."""
+    if not floor or entropy is None or not entropy < floor:
+        return None
+    return (f"policy entropy {entropy:.3f} nats/token is below entropy_floor={floor:g}: exploration is "
+            "collapsing (the policy samples nearly the same tokens every time); consider a lower learning_rate, "
+            "a KL penalty (beta), a higher sampling temperature, or stopping at an earlier checkpoint")
 
 
 def _number(value: float) -> str:

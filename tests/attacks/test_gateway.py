@@ -26,7 +26,11 @@ TOKEN = "gateway-admin-token"
 ESCAPES = ["/v1/../sleep", "/v1/../../collective_rpc", "/v1/..", "/v1/%2e%2e/pause", "/v1/%2E%2E/%2E%2E/sleep",
            "/v1/./../resume", "/rollouts/r1/v1/../reset_prefix_cache", "/v1/chat/../../update_weights",
            "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/..%2fsleep", "/v1/%2e%2e%2fsleep",
-           "/v1/models/../../is_paused", "/v1\\..\\sleep"]
+           "/v1/models/../../is_paused", "/v1\\..\\sleep",
+           # the Responses and Anthropic routes: their sub-paths are not served, nor escapes through them
+           "/v1/messages/../../sleep", "/rollouts/r1/v1/responses/../../collective_rpc",
+           "/v1/responses/%2e%2e/%2e%2e/pause", "/v1/messages/count_tokens/../../../reset_prefix_cache",
+           "/v1/responses/resp_1/cancel", "/v1/messages/batches", "/v1/messages/count_tokens/x"]
 
 
 @pytest.mark.parametrize("path", ESCAPES)
@@ -196,3 +200,72 @@ def test_stalled_streams_do_not_block_others(gateway_factory, upstream):
     for thread in threads:
         thread.join(20)
     assert results == [200] * 8
+
+
+ANTHROPIC = {"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/rollouts/r1/v1/messages"])
+def test_the_responses_and_messages_routes_refuse_bad_bodies_in_their_own_shape(gateway_factory, upstream, path):
+    """Malformed JSON, a body that is not an object, one past max_body_bytes, one not declared JSON:
+    refused before anything reaches vLLM, as OpenAI's error for /v1/responses and as Anthropic's
+    (``{"type": "error", "error": {"type", "message"}}``) for /v1/messages."""
+    gw = gateway_factory(upstream, max_body_bytes=1024)
+    anthropic = path.endswith("/messages")
+    cases = [(b'{"model": ', "application/json", 400, "invalid_request_error"),
+             (b"[1, 2]", "application/json", 400, "invalid_request_error"),
+             (json.dumps({**ANTHROPIC, "pad": "x" * 2048}).encode(), "application/json", 413, "request_too_large"),
+             (json.dumps(ANTHROPIC).encode(), "text/plain", 415, "invalid_request_error")]
+    for body, content_type, status, kind in cases:
+        answer = requests.post(f"{gw.url}{path}", data=body, headers={"Content-Type": content_type}, timeout=10)
+        assert answer.status_code == status, answer.text
+        doc = answer.json()
+        if anthropic:
+            assert doc["type"] == "error" and doc["error"]["type"] == kind and doc["error"]["message"], doc
+        else:
+            assert doc["error"]["code"] == status and doc["error"]["message"], doc
+    assert upstream.requests == []
+
+
+def test_the_anthropic_client_reads_the_gateways_refusals(gateway_factory, upstream):
+    import anthropic
+
+    gw = gateway_factory(upstream, max_body_bytes=1024)
+    client = anthropic.Anthropic(base_url=gw.url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as err:
+        client.messages.create(**{**ANTHROPIC, "messages": [{"role": "user", "content": "x" * 4096}]})
+    assert err.value.status_code == 413 and err.value.body["error"]["type"] == "request_too_large"
+    gw.admission.pause(0)
+    try:
+        with pytest.raises(anthropic.RateLimitError) as err:
+            client.messages.create(**ANTHROPIC)
+        assert err.value.body["error"]["type"] == "rate_limit_error"
+    finally:
+        gw.admission.resume()
+    assert upstream.requests == []
+
+
+def test_an_anthropic_call_reaches_only_chat_completions_with_its_key_as_a_bearer(gateway_factory, upstream):
+    gw = gateway_factory(upstream)
+    answer = requests.post(f"{gw.url}/v1/messages", json=ANTHROPIC, timeout=10,
+                           headers={"x-api-key": "k-1", "anthropic-version": "2023-06-01"})
+    assert answer.status_code == 200 and answer.json()["type"] == "message", answer.text
+    ((method, path, headers),) = upstream.requests
+    assert (method, path, headers["authorization"]) == ("POST", "/v1/chat/completions", "Bearer k-1")
+    (span,) = gw.exporter.get_finished_spans()
+    assert span.attributes["lightspan.capture.status"] == "ok"
+
+
+@pytest.mark.parametrize("body", [
+    {**ANTHROPIC, "system": ["not a block"]},
+    {**ANTHROPIC, "tool_choice": "auto"},
+    {**ANTHROPIC, "tools": [5]},
+    {**ANTHROPIC, "messages": "hi"},
+])
+def test_a_malformed_anthropic_body_goes_to_vllm_as_it_is(gateway_factory, upstream, body):
+    """What the conversion cannot read, vLLM's own /v1/messages judges (it refuses it with its 400)."""
+    gw = gateway_factory(upstream)
+    answer = requests.post(f"{gw.url}/v1/messages", json=body, timeout=10)
+    assert answer.status_code == 200 and upstream.paths() == ["/v1/messages"]
+    (span,) = gw.exporter.get_finished_spans()
+    assert span.attributes["lightspan.capture.status"] == "unsupported_request"

@@ -18,7 +18,9 @@ class CollectorProcess:
     """``lightspan collector`` on ephemeral ports; stderr (JSON log lines) goes to ``log_path``."""
 
     def __init__(self, data_dir: Path, log_path: Path, env: dict | None = None, **options):
-        self.data_dir, self.log_path = Path(data_dir), Path(log_path)
+        # a bucket's s3:// URL stays a string (a Path would fold its "//")
+        self.data_dir = data_dir if str(data_dir).startswith("s3://") else Path(data_dir)
+        self.log_path = Path(log_path)
         args = {"grpc_port": 0, "http_port": 0, "api_port": 0, "log_format": "json", **options}
         self.argv = [sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(self.data_dir)]
         for name, value in args.items():

@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
                                                                       ExportTraceServiceResponse)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from lightspan.collector import otlp, otlp_logs
+from lightspan.collector import otlp, otlp_logs, otlp_parse
 from lightspan.collector.server import EXPORT_METHOD, LOGS_EXPORT_METHOD
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import query
@@ -427,8 +427,8 @@ def test_check_accepts_exactly_what_flatten_converts(body):
     """The receivers answer with otlp.check and the writer flattens later: an acknowledged span
     that failed to flatten would be lost, so the two must agree on every span."""
     try:
-        request = otlp.parse_protobuf_request(body)
-    except otlp.DecodeError:
+        request = otlp_parse.parse_protobuf_request(body)
+    except otlp_parse.DecodeError:
         return
     table, rejected, first_error = otlp.flatten(request, 1)
     accepted, checked_rejected, checked_error, warning = otlp.check(request)

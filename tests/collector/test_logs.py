@@ -18,7 +18,7 @@ from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from opentelemetry.sdk.resources import Resource
 
-from lightspan.collector import otlp, otlp_logs
+from lightspan.collector import otlp, otlp_logs, otlp_parse
 from lightspan.collector.server import LOGS_EXPORT_METHOD, Collector
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import config, query
@@ -143,8 +143,8 @@ def test_mutated_log_requests_parse_and_flatten_or_raise_decode_error(cuts, leng
         if position < len(body):
             body[position] = value
     try:
-        request = otlp.parse_protobuf_request(bytes(body), ExportLogsServiceRequest)
-    except otlp.DecodeError:
+        request = otlp_parse.parse_protobuf_request(bytes(body), ExportLogsServiceRequest)
+    except otlp_parse.DecodeError:
         return
     table, rejected, _ = otlp_logs.flatten_logs(request, T0)
     assert table.num_rows + rejected == otlp_logs.count_log_records(request)
@@ -162,6 +162,6 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 def test_arbitrary_json_logs_parse_or_raise_decode_error(doc):
     try:
         request = otlp_logs.parse_json_logs_request(json.dumps(doc).encode())
-    except otlp.DecodeError:
+    except otlp_parse.DecodeError:
         return
     otlp_logs.flatten_logs(request, T0)

@@ -12,7 +12,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from lightspan.collector import otlp
+from lightspan.collector import otlp, otlp_parse
 from lightspan.store import SPAN_SCHEMA
 from lightspan.tracing import semconv as sc
 
@@ -218,7 +218,7 @@ def json_body(**span_overrides) -> bytes:
 
 
 def test_parse_json_request_hex_ids_integer_enums_unknown_fields():
-    req = otlp.parse_json_request(json_body())
+    req = otlp_parse.parse_json_request(json_body())
     [row], rejected, _ = rows(req)
     assert rejected == 0
     assert row["trace_id"] == "5b8efff798038103d269b633813fc60c"
@@ -230,7 +230,7 @@ def test_parse_json_request_hex_ids_integer_enums_unknown_fields():
 
 
 def test_parse_json_request_bad_id_length_is_a_span_rejection():
-    [], rejected, error = rows(otlp.parse_json_request(json_body(spanId="abcd")))
+    [], rejected, error = rows(otlp_parse.parse_json_request(json_body(spanId="abcd")))
     assert rejected == 1 and "span_id has 2 bytes" in error
 
 
@@ -238,11 +238,11 @@ def test_parse_json_request_bad_id_length_is_a_span_rejection():
                                   b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": 5, "kind": "nope"}]}]}]}',
                                   b'{"resourceSpans": "x"}'])
 def test_parse_json_request_rejects_what_is_not_otlp(body):
-    with pytest.raises(otlp.DecodeError):
-        otlp.parse_json_request(body)
+    with pytest.raises(otlp_parse.DecodeError):
+        otlp_parse.parse_json_request(body)
 
 
 def test_parse_protobuf_request_rejects_garbage():
-    with pytest.raises(otlp.DecodeError):
-        otlp.parse_protobuf_request(b"\xff\xff\xff\xff")
-    assert otlp.parse_protobuf_request(request([span(1)]).SerializeToString()).resource_spans
+    with pytest.raises(otlp_parse.DecodeError):
+        otlp_parse.parse_protobuf_request(b"\xff\xff\xff\xff")
+    assert otlp_parse.parse_protobuf_request(request([span(1)]).SerializeToString()).resource_spans

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import requests
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -27,8 +29,10 @@ class Rollout:
     task: str
     split: str
     agent: str
-    reward: float
+    reward: float | None       # None: the agent gives none (the annotation queue's)
     version: int
+    outcome: str | None = None  # the runner's outcome span: ok, failed, timeout; None: no runner span
+    capture: tuple[str, str] | None = None   # (capture status, reason) of the second call: not captured
 
 
 ROLLOUTS = [Rollout("r-a1", "task-a", "train", "planner", 1.0, 1), Rollout("r-a2", "task-a", "train", "planner", 0.0, 1),
@@ -38,7 +42,8 @@ TOOL_CALL = {"type": "tool_call", "id": "call_1", "name": "search", "arguments":
 
 def run_agent(provider: TracerProvider, r: Rollout) -> None:
     """One rollout as an agent would trace it: a root span, two chat calls with token ids
-    (the first asks for a tool), a tool span between them, then the reward."""
+    (the first asks for a tool), a tool span between them, then the reward (if it has one), then
+    the runner's outcome span (if it has one)."""
     tracer = provider.get_tracer("test-agent")
     with tracer.start_as_current_span("agent.run"):
         for i in range(2):
@@ -54,11 +59,21 @@ def run_agent(provider: TracerProvider, r: Rollout) -> None:
                 span.set_attribute(sc.COMPLETION_TOKEN_IDS, [sc.encode_ids([52, 33, 65 + i])])
                 span.set_attribute(sc.COMPLETION_LOGPROBS, [sc.encode_floats([-0.25, -3.0, -0.5 - i])])
                 span.set_attribute(sc.MODEL_VERSION, r.version)
+                if i == 1 and r.capture is not None:
+                    span.set_attribute(sc.CAPTURE_STATUS, r.capture[0])
+                    span.set_attribute(sc.CAPTURE_REASON, r.capture[1])
+                else:
+                    span.set_attribute(sc.CAPTURE_STATUS, "ok")     # as lightspan's instrumentor records it
             if i == 0:
                 with tracer.start_as_current_span("tool search"):
                     time.sleep(0.002)   # a visible bar in the waterfall
-        with tracer.start_as_current_span(sc.SPAN_REWARD) as span:
-            span.set_attribute(sc.REWARD, r.reward)
+        if r.reward is not None:
+            with tracer.start_as_current_span(sc.SPAN_REWARD) as span:
+                span.set_attribute(sc.REWARD, r.reward)
+    if r.outcome is not None:
+        with tracer.start_as_current_span(sc.SPAN_RUNNER) as span:
+            span.set_attribute(sc.ROLLOUT_OUTCOME, r.outcome)
+            span.set_attribute(sc.ROLLOUT_EXIT_CODE, 0 if r.outcome == "ok" else 3)
 
 
 @dataclass
@@ -97,6 +112,26 @@ def transition_rows(calls: dict) -> list[dict]:
     return rows
 
 
+def send(collector: Collector, rollouts: list[Rollout], token: str | None = None) -> dict:
+    """Trace ``rollouts`` into ``collector`` through the real SDK (with the collector's bearer
+    ``token``, if it has one) and flush; {rollout key: its calls' span ids}."""
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    for r in rollouts:
+        resource = Resource.create({"service.name": f"svc-{r.agent}", sc.ROLLOUT_ID: r.key, sc.TASK_ID: r.task,
+                                    sc.SPLIT: r.split})
+        provider = TracerProvider(resource=resource)
+        exporter = GrpcExporter(endpoint=f"127.0.0.1:{collector.grpc_port}", insecure=True, timeout=5, headers=headers)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        run_agent(provider, r)
+        provider.shutdown()
+    collector.flush()
+    calls = {}
+    for key, span_id in query(collector.data_dir, "SELECT rollout_key, span_id FROM llm_calls "
+                                                  "ORDER BY rollout_key, start_time_unix_nano"):
+        calls.setdefault(key, []).append(span_id)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def ui_store(tmp_path_factory) -> UIStore:
     data_dir = tmp_path_factory.mktemp("ui-data")
@@ -127,5 +162,44 @@ def ui_store(tmp_path_factory) -> UIStore:
         rows = [{k: s.get(k) for k in names} for s in steps]
         store.write_table(data_dir, "train_steps", pa.Table.from_pylist(rows, schema=store.TRAIN_STEP_SCHEMA))
         yield UIStore(collector, data_dir, f"http://127.0.0.1:{collector.api_port}", calls)
+    finally:
+        collector.stop()
+
+
+REASON = "the stream ended before its usage chunk"
+QUALITY_ROLLOUTS = [Rollout("f-ok1", "task-f", "train", "planner", 1.0, 1, "ok"),
+                    Rollout("f-ok2", "task-f", "train", "planner", 0.0, 1, "ok"),
+                    Rollout("f-fail", "task-f", "train", "planner", None, 1, "failed"),
+                    Rollout("f-new1", "task-f", "train", "planner", None, 2, "ok"),
+                    Rollout("f-new2", "task-g", "val", "planner", None, 2, None, ("no_token_ids", REASON))]
+# the quality page's store: judge and person agree on f-ok1 and not on f-ok2; the person's score is
+# each one's final reward
+QUALITY_POSTED = [{"rollout_id": "f-ok1", "value": 1.0, "name": "judge", "source": "judge", "judge_model": "m"},
+                  {"rollout_id": "f-ok2", "value": 1.0, "name": "judge", "source": "judge", "judge_model": "m"},
+                  {"rollout_id": "f-ok1", "value": 1.0, "name": "human", "source": "human", "comment": "right"},
+                  {"rollout_id": "f-ok2", "value": 0.0, "name": "human", "source": "human", "comment": "wrong sum",
+           "correction": "2 + 2 = 4"}]
+QUALITY_STEPS = [(1, 2.0, 0.5), (2, 0.25, 0.5), (3, 0.125, None)]     # (step, entropy, entropy_floor)
+
+
+@pytest.fixture(scope="module")
+def quality_store(tmp_path_factory) -> str:
+    """The API base URL of a collector holding QUALITY_ROLLOUTS, the judge and human scores of
+    QUALITY_POSTED and the train steps of QUALITY_STEPS."""
+    data = tmp_path_factory.mktemp("quality-data")
+    collector = Collector(routes=web.routes(), config=config(data)).start()
+    try:
+        send(collector, QUALITY_ROLLOUTS)
+        for reward in QUALITY_POSTED:
+            answer = requests.post(f"http://127.0.0.1:{collector.api_port}/v1/rewards", json=reward, timeout=30)
+            assert answer.status_code == 200, answer.text
+        collector.flush()
+        t0 = time.time_ns()
+        rows = [{"run_id": "run-1", "step": step, "policy_version": step, "time_unix_nano": t0 + step,
+                 "num_transitions": 2, "num_tokens": 6, "entropy": entropy, "entropy_floor": floor}
+                for step, entropy, floor in QUALITY_STEPS]
+        rows = [{k: r.get(k) for k in store.TRAIN_STEP_SCHEMA.names} for r in rows]
+        store.write_table(data, "train_steps", pa.Table.from_pylist(rows, schema=store.TRAIN_STEP_SCHEMA))
+        yield f"http://127.0.0.1:{collector.api_port}"
     finally:
         collector.stop()

@@ -10,7 +10,7 @@ import pytest
 
 from lightspan import store
 from lightspan.cli import main
-from lightspan.dashboards import status, ui
+from lightspan.dashboards import quality, status
 
 T0 = 1_800_000_000 * 10**9
 
@@ -62,14 +62,14 @@ def test_views_show_rollouts_per_policy(two_policy_store):
 
 def test_training_page_has_a_run_per_policy_and_rewards_per_policy_version(two_policy_store):
     con = store.connect(two_policy_store)
-    doc = ui.training(con, {})
+    doc = quality.training(con, {})
     assert [(r["run_id"], r["policy"], r["steps"]) for r in doc["runs"]] == [("run-w", "writer", 2),
                                                                               ("run-c", "checker", 1)]
     assert doc["policy"] == "writer" and [s["loss"] for s in doc["steps"]] == [0.5, 0.3]
     assert {s["policy"] for s in doc["steps"]} == {"writer"}
     by = {(r["policy"], r["policy_version"]): (r["rollouts"], r["reward_mean"]) for r in doc["reward_by_version"]}
     assert by == {(None, 4): (1, 0.25), ("writer", 0): (1, 1.0), ("writer", 1): (2, 0.25), ("checker", 0): (3, 0.5)}
-    checker = ui.training(con, {"run": ["run-c"]})
+    checker = quality.training(con, {"run": ["run-c"]})
     assert checker["policy"] == "checker" and [s["step"] for s in checker["steps"]] == [1]
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightspan.collector.server import Collector
-from lightspan.dashboards import ui, web
+from lightspan.dashboards import health, ui, web
 from tests.collector.helpers import config, grpc_exporter, make_spans
 from tests.dashboards.prometheus import parse_prometheus
 from tests.dashboards.conftest import ROLLOUTS, TRAIN_STEPS, TOOL_CALL
@@ -223,10 +223,10 @@ def test_health_ingest_rate_follows_accepted_spans(tmp_path):
 
 
 def test_rate_of_a_counter():
-    assert ui.rate([(0.0, 5.0)], 60) is None
-    assert ui.rate([(0.0, 0.0), (2.0, 10.0), (4.0, 30.0)], 60) == 7.5
-    assert ui.rate([(0.0, 0.0), (100.0, 50.0), (102.0, 60.0)], 60) == 5.0     # only the window before the newest
-    assert ui.rate([(0.0, 100.0), (10.0, 20.0)], 60) == 2.0                   # a reset counts from zero
+    assert health.rate([(0.0, 5.0)], 60) is None
+    assert health.rate([(0.0, 0.0), (2.0, 10.0), (4.0, 30.0)], 60) == 7.5
+    assert health.rate([(0.0, 0.0), (100.0, 50.0), (102.0, 60.0)], 60) == 5.0     # only the window before the newest
+    assert health.rate([(0.0, 100.0), (10.0, 20.0)], 60) == 2.0                   # a reset counts from zero
 
 
 def test_parse_prometheus_reads_labels_and_skips_comments():
@@ -254,8 +254,11 @@ def test_static_pages_are_served_with_a_content_security_policy(ui_store):
     page = requests.get(ui_store.url("/ui/"), timeout=10)
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["Content-Security-Policy"]
-    assert '<script src="app.js"' in page.text
-    for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+    assert '<script type="module" src="app.js"' in page.text
+    # a browser runs an ES module only when it is served as JavaScript
+    modules = sorted(p.name for p in web.STATIC_DIR.glob("*.js"))
+    assert "app.js" in modules and len(modules) > 1
+    for name, kind in [*((m, "javascript") for m in modules), ("style.css", "text/css")]:
         answer = requests.get(ui_store.url(f"/ui/{name}"), timeout=10)
         assert answer.status_code == 200 and kind in answer.headers["Content-Type"]
     for path in ("/ui/missing.js", "/ui/..%2F__init__.py", "/ui/%2e%2e/ui.py", "/ui/../web.py"):

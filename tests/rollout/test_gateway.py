@@ -98,7 +98,7 @@ def _ids(span):
 
 def test_chat_span_joins_the_callers_trace_with_token_ids(gateway, spans):
     headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "X-Lightspan-Rollout-Id": "r-header",
-               "X-Lightspan-Task-Id": "t-1"}
+               "X-Lightspan-Task-Id": "t-1", "X-Lightspan-Agent": "planner"}
     resp = requests.post(f"{gateway.url_}/v1/chat/completions", headers=headers, timeout=60,
                          json={**CHAT, "return_token_ids": True, "logprobs": True})
     assert resp.status_code == 200
@@ -108,6 +108,7 @@ def test_chat_span_joins_the_callers_trace_with_token_ids(gateway, spans):
     assert format(span.parent.span_id, "016x") == PARENT_ID
     a = span.attributes
     assert a[semconv.ROLLOUT_ID] == "r-header" and a[semconv.TASK_ID] == "t-1"
+    assert a[semconv.GEN_AI_AGENT_NAME] == "planner"   # named by the agent's header (rollout/headers.py)
     assert a[semconv.GEN_AI_OPERATION_NAME] == "chat" and a[semconv.CAPTURE_STATUS] == "ok"
     assert a[semconv.MODEL_VERSION] == 2  # from policy.json
     # asked for, so kept in the answer: the span's ids are exactly the ones vLLM returned

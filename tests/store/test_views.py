@@ -44,3 +44,10 @@ def test_pass_at_k_and_pass_hat_k_match_the_hand_computed_values(known_store):
     assert {(v, n, c) for v, _, n, c, _, _ in rows} == {(1, 4, 2), (2, 2, 1)}
     # another success threshold: the person's 0.25 passes at 0.2
     assert query(data, "SELECT pass_hat_k FROM pass_k(threshold := 0.2) WHERE model_version = 2 AND k = 2") == [(1.0,)]
+
+
+def test_reward_drift_is_each_sources_mean_reward_per_policy_version(known_store):
+    data, _ = known_store
+    rows = query(data, "SELECT model_version, source, rollouts, reward_mean FROM reward_drift ORDER BY 1, 2")
+    assert rows == [(1, "agent", 3, pytest.approx(2 / 3)), (2, "agent", 2, 1.0), (2, "human", 1, 0.25),
+                    (2, "judge", 1, 1.0)]

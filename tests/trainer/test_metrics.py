@@ -1,5 +1,6 @@
 """The trainer's Prometheus endpoint (trainer/metrics.py), scraped over HTTP while a trainer runs."""
 
+import logging
 import threading
 import time
 
@@ -12,7 +13,7 @@ from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.driver import run
 from lightspan.trainer.loop import Trainer
-from lightspan.trainer.metrics import COUNTERS, GAUGES, PREFIX, MetricsServer, TrainerMetrics
+from lightspan.trainer.metrics import COUNTERS, GAUGES, PREFIX, MetricsServer, TrainerMetrics, entropy_warning
 from lightspan.trainer.sync import SyncError
 
 torch.set_num_threads(1)
@@ -145,3 +146,36 @@ def test_the_page_declares_every_metric_once():
     expected = [PREFIX + n for n in GAUGES] + [PREFIX + n for n in COUNTERS] + [PREFIX + "sync_seconds"]
     assert names == expected
     assert all(n.endswith("_total") for n in COUNTERS)
+
+
+@pytest.mark.parametrize("floor, warned", [(1e3, True), (1e-6, False), (0.0, False)])
+def test_a_step_below_the_entropy_floor_is_warned_of_counted_and_stored(tmp_path, tiny_model, caplog, floor, warned):
+    cfg = TrainerConfig(data_dir=str(tmp_path / "data"), model=str(tiny_model), sync="none", torch_threads=1,
+                        batch_size=0, metrics_port=0, entropy_floor=floor)
+    write(cfg.data_dir, transitions(1, "a"))
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    with caplog.at_level(logging.WARNING, logger="lightspan.trainer.loop"):
+        row = trainer.train_once()
+    assert 0 < row["entropy"] < 1e3                     # a real entropy, between the floors tried
+    warnings = [r.getMessage() for r in caplog.records if "entropy_floor" in r.getMessage()]
+    assert len(warnings) == int(warned)
+    if warned:
+        assert f"{row['entropy']:.3f} nats/token is below entropy_floor=1000" in warnings[0]
+    page = parse_page(trainer.metrics.render())
+    assert page[PREFIX + "entropy_below_floor_total"] == int(warned)
+    assert page.get(PREFIX + "entropy_floor") == (floor or None)
+    stored = store.connect(cfg.data_dir).sql("SELECT entropy, entropy_floor FROM train_steps").fetchall()
+    assert stored == [(pytest.approx(row["entropy"]), floor or None)]
+
+
+def test_entropy_warning_needs_a_floor_and_an_entropy_below_it():
+    assert entropy_warning(0.05, 0.1).startswith("policy entropy 0.050 nats/token is below entropy_floor=0.1")
+    assert entropy_warning(0.1, 0.1) is None and entropy_warning(0.5, 0.1) is None
+    assert entropy_warning(0.05, 0.0) is None and entropy_warning(0.05, None) is None
+    assert entropy_warning(None, 0.1) is None
+
+
+def parse_page(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}

@@ -1,0 +1,87 @@
+// Human feedback: a score (good / bad or a number), a comment and optionally the better answer, for a
+// rollout or one of its LLM calls, posted to the collector's POST /v1/rewards with source
+// "human" (the one home of the reward contract); and the annotation queue of rollouts with no
+// reward yet, newest first.
+
+import {api, el, fmt, post, show, time} from "./lib.js";
+import {rolloutView} from "./rollout.js";
+
+// the reward every person's score is stored under: one per rollout (and one per call); a stored
+// reward is never changed (it may have been trained on), so a second, different score is refused
+const NAME = "human";
+
+// ``rollout``: the rollout's document (rollout_key, task_id); ``span``: the LLM call scored, if one
+export function feedbackForm({rollout, span = null, onStored = null}) {
+  const value = el("input", {type: "text", inputmode: "decimal", name: "value", class: "fb-value", size: 6,
+                             placeholder: "e.g. 0.5"});
+  const thumb = (v, label, cls) => el("button", {type: "button", class: `plain ${cls}`, title: `score ${v}`, text: label,
+    onclick: () => { value.value = String(v); }});
+  const comment = el("textarea", {name: "comment", class: "fb-comment", rows: 2, cols: 50, maxlength: 4096,
+                                  placeholder: "why (optional)"});
+  const correction = el("textarea", {name: "correction", class: "fb-correction", rows: 3, cols: 50, maxlength: 65536,
+                                     placeholder: "the better answer (optional)"});
+  const submit = el("button", {type: "submit", class: "fb-submit", text: "Save score"});
+  const note = el("span", {class: "fb-note muted"});
+  const form = el("form", {class: "feedback card", "data-scope": span ? "call" : "rollout"},
+    el("div", {class: "fb-score"}, thumb(1, "Good · 1", "thumb-up"), thumb(0, "Bad · 0", "thumb-down"),
+      el("label", {}, "score ", value)),
+    el("label", {}, "comment", comment), el("label", {}, "correction", correction),
+    el("div", {}, submit, " ", note));
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const text = value.value.trim(), score = Number(text);
+    if (!text || !Number.isFinite(score)) {
+      note.className = "fb-note error";
+      note.textContent = "give a score: Good, Bad or a number";
+      return;
+    }
+    const reward = {rollout_id: rollout.rollout_key, value: score, name: NAME, source: "human"};
+    if (rollout.task_id) reward.task_id = rollout.task_id;
+    if (span) reward.span_id = span.span_id;
+    if (comment.value.trim()) reward.comment = comment.value.trim();
+    if (correction.value.trim()) reward.correction = correction.value;
+    submit.disabled = true;
+    form.dataset.state = "saving";
+    try {
+      const doc = await post("/v1/rewards", reward);
+      const stored = doc.rewards[0];
+      note.className = "fb-note";
+      note.textContent = stored.status === "already_stored" ? "this score was stored already"
+        : `stored: ${fmt(stored.value, 3)} (shown once the collector writes it)`;
+      form.dataset.state = "stored";
+      if (onStored) onStored(stored);
+    } catch (err) {
+      note.className = "fb-note error";
+      note.textContent = err.message;
+      form.dataset.state = "error";
+      submit.disabled = false;
+    }
+  });
+  return form;
+}
+
+// #/queue?after_time=NS&after_key=KEY: the next unrewarded rollout after the one shown last.
+// The cursor travels as the server wrote it (nanoseconds do not fit a JavaScript number).
+export async function queuePage(params) {
+  const query = new URLSearchParams();
+  for (const name of ["task", "split", "after_time", "after_key"]) if (params.get(name)) query.set(name, params.get(name));
+  const q = await api(`/api/ui/queue?${query}`);
+  const header = el("h1", {text: "Annotation queue"});
+  const counts = el("p", {class: "muted", id: "queue-count",
+    text: `${q.total} rollout(s) without a reward; ${q.remaining} from here on (newest first)`});
+  if (!q.next) {
+    show(header, counts, el("p", {id: "queue-empty", text: q.total ? "Nothing further: the rest were skipped. "
+      : "Every finished rollout has a reward."}, q.total ? el("a", {href: "#/queue", text: "Start again"}) : ""));
+    return;
+  }
+  const past = new URLSearchParams(query);
+  past.set("after_time", q.next.cursor.after_time);
+  past.set("after_key", q.next.cursor.after_key);
+  const next = () => { location.hash = `#/queue?${past}`; };
+  const doc = await api(`/api/ui/rollouts/${encodeURIComponent(q.next.rollout_key)}`);
+  const bar = el("div", {class: "queue-bar card"},
+    el("span", {}, "Rollout ", el("a", {href: `#/rollout/${encodeURIComponent(doc.rollout_key)}`, class: "mono",
+      id: "queue-key", text: doc.rollout_key}), ` · task ${doc.task_id || "—"} · started ${time(doc.start_time_unix_nano)}`),
+    el("button", {type: "button", class: "plain", id: "queue-skip", text: "Skip →", onclick: next}));
+  show(header, counts, bar, rolloutView(doc, feedbackForm({rollout: doc, onStored: next})));
+}

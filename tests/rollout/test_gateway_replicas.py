@@ -1,0 +1,151 @@
+"""Choosing a vLLM replica (rollout/replicas.py, store/replicas.py): one rollout on one replica,
+rollouts spread, few moves when a replica joins or leaves, replicas out of rotation skipped, DNS
+targets expanded; and the gateway wired to it, against two stand-in upstreams."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+from opentelemetry.sdk.trace import TracerProvider
+
+from lightspan.config import ConfigError
+from lightspan.rollout.gateway import Gateway, GatewayConfig
+from lightspan.rollout.replicas import Upstreams, rendezvous, untraced_key
+from lightspan.store import replicas as rotation
+
+REPLICAS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
+KEYS = [f"rollout-{i}" for i in range(2000)]
+
+
+def test_rendezvous_is_stable_spreads_and_moves_few_keys_when_a_replica_leaves():
+    chosen = {k: rendezvous(k, REPLICAS) for k in KEYS}
+    assert chosen == {k: rendezvous(k, list(reversed(REPLICAS))) for k in KEYS}   # order does not matter
+    counts = Counter(chosen.values())
+    assert set(counts) == set(REPLICAS) and min(counts.values()) > len(KEYS) / len(REPLICAS) * 0.8
+    gone = REPLICAS[1]
+    after = {k: rendezvous(k, [r for r in REPLICAS if r != gone]) for k in KEYS}
+    moved = [k for k in KEYS if after[k] != chosen[k]]
+    assert moved and all(chosen[k] == gone for k in moved)       # only the leaver's rollouts move
+    joined = {k: rendezvous(k, REPLICAS + ["http://10.0.0.9:8000"]) for k in KEYS}
+    assert all(joined[k] in (chosen[k], "http://10.0.0.9:8000") for k in KEYS)
+    with pytest.raises(ValueError):
+        rendezvous("x", [])
+
+
+def test_dns_targets_expand_to_every_address_of_the_name():
+    urls = rotation.resolve(["http://vllm-0:8000/", "dns+http://localhost:8123"])
+    assert urls[0] == "http://vllm-0:8000" and "http://127.0.0.1:8123" in urls
+    assert rotation.resolve(["dns+http://no-such-name.invalid:8000"]) == []
+
+
+def test_upstreams_skip_replicas_out_of_rotation_and_follow_the_file(tmp_path):
+    now = [0.0]
+    upstreams = Upstreams(tuple(REPLICAS), str(tmp_path), clock=lambda: now[0])
+    assert upstreams.candidates() == REPLICAS
+    status = {u: {"version": 3, "in_rotation": u != REPLICAS[0], "error": ""} for u in REPLICAS}
+    rotation.write(tmp_path, 3, status)
+    assert upstreams.candidates() == REPLICAS                   # read again only after REFRESH_S
+    now[0] += 10
+    assert upstreams.candidates() == REPLICAS[1:]
+    assert all(upstreams.pick(k) != REPLICAS[0] for k in KEYS[:200])
+    rotation.write(tmp_path, 4, {u: {**s, "in_rotation": False} for u, s in status.items()})
+    now[0] += 10
+    assert upstreams.candidates() == REPLICAS                   # none in rotation: better all than none
+
+
+class _Echo:
+    """A stand-in for vLLM that counts the calls it answers."""
+
+    def __init__(self):
+        self.calls = []
+        calls = self.calls
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                calls.append(body)
+                data = json.dumps({"id": "c", "object": "chat.completion", "model": "policy",
+                                   "prompt_token_ids": [1, 2],
+                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
+                                                "finish_reason": "stop", "token_ids": [7],
+                                                "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_the_gateway_keeps_each_rollout_on_one_replica_and_skips_those_out_of_rotation(tmp_path):
+    a, b, c = _Echo(), _Echo(), _Echo()
+    rotation.write(tmp_path, 1, {c.url: {"version": None, "in_rotation": False, "error": "sync failed"}})
+    gw = Gateway(GatewayConfig(upstreams=(a.url, b.url, c.url), port=0, data_dir=str(tmp_path)), TracerProvider())
+    url = gw.start()
+    try:
+        served = {}
+        for i in range(12):
+            for turn in range(3):
+                before = (len(a.calls), len(b.calls))
+                response = requests.post(f"{url}/v1/chat/completions", timeout=30,
+                                         headers={"X-Lightspan-Rollout-Id": f"r{i}"},
+                                         json={"model": "policy", "messages": [{"role": "user", "content": str(turn)}]})
+                assert response.status_code == 200, response.text
+                served.setdefault(f"r{i}", set()).add("a" if len(a.calls) > before[0] else "b")
+        assert all(len(where) == 1 for where in served.values())       # one rollout, one replica
+        assert {w for where in served.values() for w in where} == {"a", "b"}   # rollouts spread
+        assert c.calls == []                                          # out of rotation: no call
+    finally:
+        gw.stop()
+        for upstream in (a, b, c):
+            upstream.server.shutdown()
+
+
+def test_an_untraced_call_is_keyed_by_its_rollout_else_its_trace():
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert untraced_key("r1", f"00-{trace}-00f067aa0ba902b7-01") == "r1"
+    assert untraced_key(None, f"00-{trace.upper()}-00f067aa0ba902b7-01") == trace
+    assert untraced_key("", "00-not-a-trace-01") == "" and untraced_key(None, None) == ""
+
+
+def test_responses_and_messages_calls_stay_on_their_rollouts_replica_too(tmp_path):
+    a, b = _Echo(), _Echo()
+    gw = Gateway(GatewayConfig(upstreams=(a.url, b.url), port=0, data_dir=str(tmp_path)), TracerProvider())
+    url = gw.start()
+    try:
+        served = {}
+        for i in range(12):
+            # a Responses call by rollout id, an Anthropic Messages call by its caller's trace only
+            calls = [("/v1/responses", {"X-Lightspan-Rollout-Id": f"r{i}"}),
+                     ("/v1/messages", {"traceparent": f"00-{i + 1:032x}-00f067aa0ba902b7-01"})]
+            for path, headers in calls:
+                for _ in range(2):
+                    before = len(a.calls)
+                    response = requests.post(f"{url}{path}", json={"model": "policy", "input": "hi"},
+                                             headers=headers, timeout=30)
+                    assert response.status_code == 200, response.text
+                    served.setdefault((path, i), set()).add("a" if len(a.calls) > before else "b")
+        assert all(len(where) == 1 for where in served.values())       # one rollout (trace), one replica
+        for path in ("/v1/responses", "/v1/messages"):                 # and spread over both
+            assert {w for (p, _), where in served.items() if p == path for w in where} == {"a", "b"}
+    finally:
+        gw.stop()
+        for upstream in (a, b):
+            upstream.server.shutdown()
+
+
+def test_gateway_config_rejects_a_non_http_replica():
+    with pytest.raises(ConfigError, match="upstreams"):
+        GatewayConfig(upstreams=("vllm:8000",))
