@@ -295,6 +295,9 @@ def test_each_policy_gets_its_own_trainer_config(tmp_path, tiny_model, policies_
     (dict(sync="lora", lora_r=0), POLICIES, "policies.writer.lora_r"),      # the checker has its own, the writer none
     (dict(sync="lora", lora_r=8), POLICIES + "weight_decay = -1.0\n", "policies.checker.weight_decay"),
     (dict(sync="lora", lora_r=8), POLICIES.replace("lora_r = 4", "lora_r = -4"), "policies.checker.lora_r"),
+    # replicas.json holds one version per replica, not one per policy
+    (dict(sync="lora", lora_r=8, vllm_replicas=("http://127.0.0.1:1", "http://127.0.0.1:2")), POLICIES,
+     "trainer.vllm_replicas"),
 ])
 def test_bad_policy_settings_fail_when_the_trainer_starts(tmp_path, tiny_model, kwargs, text, field):
     from lightspan.config import ConfigError
