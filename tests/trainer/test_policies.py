@@ -266,6 +266,15 @@ def test_the_gateway_routes_each_agents_calls_to_its_policy(lora_vllm, tiny_mode
         assert call("writer") == ("writer", None, "writer", 0)                    # by its model name
         # an agent no policy owns: the model it asked for, and no policy or version (only named ones are served)
         assert call("policy-base", "planner") == ("policy-base", "planner", None, None)
+        # the other protocols are routed alike: an Anthropic Messages call of the checker agent
+        exporter.clear()
+        resp = requests.post(f"{url}/v1/messages", timeout=60, headers={"x-lightspan-agent": "checker"},
+                             json={"model": "policy-base", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 200 and resp.json()["type"] == "message", resp.text
+        (span,) = exporter.get_finished_spans()
+        assert span.attributes[semconv.CAPTURE_STATUS] == "ok"
+        assert (span.attributes[semconv.GEN_AI_REQUEST_MODEL], span.attributes[semconv.POLICY_NAME],
+                span.attributes[semconv.MODEL_VERSION]) == ("checker", "checker", 4)
     finally:
         gw.stop()
     with pytest.raises(ConfigError, match="policies"):
