@@ -160,6 +160,7 @@ _PROMOTED = [
     (sc.COMPLETION_TOKEN_IDS, "completion_token_ids", _choices),
     (sc.COMPLETION_LOGPROBS, "completion_logprobs", _choices),
     (sc.MODEL_VERSION, "model_version", _int),
+    (sc.POLICY_NAME, "policy", _str),
     (sc.CAPTURE_STATUS, "capture_status", _str),
     (sc.REWARD, "reward", _float),
     (sc.REWARD_NAME, "reward_name", _str),

@@ -25,7 +25,7 @@ from lightspan.dashboards.ui import MAX_LIMIT, BadParameter, Params, check_known
 # --- training ------------------------------------------------------------------------------------
 
 TRAINING_PARAMS = ("run",)
-_STEP_COLUMNS = """step, policy_version, time_unix_nano, num_transitions, num_tokens, reward_mean, advantage_abs_mean,
+_STEP_COLUMNS = """policy, step, policy_version, time_unix_nano, num_transitions, num_tokens, reward_mean, advantage_abs_mean,
        loss, kl, clip_ratio, entropy, entropy_floor, is_ratio_mean, staleness_mean, skipped_stale, step_seconds,
        {tokens_per_second} AS tokens_per_second, sync_seconds, sync_max_abs_logprob_diff"""
 # trained completion tokens per second of the optimisation step; the trainer's own figure when the
@@ -36,12 +36,14 @@ _TOKENS_PER_SECOND = "num_tokens / nullif(step_seconds, 0)"
 def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
     """The training runs, the steps of one (``run``, default the latest), the mean final reward of
     rollouts per policy version and split (train and validation), each source's mean reward per
-    policy version, and ``entropy_warnings``: the run's steps whose entropy fell below the floor."""
+    policy version, and ``entropy_warnings``: the run's steps whose entropy fell below the floor.
+    With several policies each policy's checkpoint lineage is a run of its own (``policy``), and the
+    rewards per version are per policy."""
     check_known(params, TRAINING_PARAMS)
     run = one(params, "run")
     runs = records(con.execute("""
-        SELECT run_id, count(*) AS steps, max(step) AS last_step, max(policy_version) AS policy_version,
-               min(time_unix_nano) AS first_time_unix_nano, max(time_unix_nano) AS last_time_unix_nano
+        SELECT run_id, any_value(policy) AS policy, count(*) AS steps, max(step) AS last_step,
+               max(policy_version) AS policy_version, min(time_unix_nano) AS first_time_unix_nano, max(time_unix_nano) AS last_time_unix_nano
         FROM train_steps GROUP BY run_id ORDER BY last_time_unix_nano DESC"""))
     if run is not None and run not in {r["run_id"] for r in runs}:
         raise BadParameter(f"no training run {run!r}: known runs are {[r['run_id'] for r in runs][:20]}")
@@ -52,17 +54,23 @@ def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
     columns = _STEP_COLUMNS.format(tokens_per_second=tokens_per_second)
     steps = records(con.execute(f"SELECT {columns} FROM train_steps WHERE run_id = $run "
                                 "ORDER BY step, time_unix_nano", {"run": run})) if run else []
+    # the unnamed policy's rollouts, and each named policy's (a rollout two policies served is in both)
     by_version = records(con.execute("""
-        SELECT model_version AS policy_version, coalesce(split, 'train') AS split, count(*) AS rollouts,
-               avg(final_reward) AS reward_mean, count(final_reward) AS with_reward
-        FROM rollouts GROUP BY ALL ORDER BY policy_version NULLS FIRST, split"""))
+        SELECT NULL::VARCHAR AS policy, model_version AS policy_version, coalesce(split, 'train') AS split,
+               count(*) AS rollouts, avg(final_reward) AS reward_mean, count(final_reward) AS with_reward
+        FROM rollouts WHERE len(policies) = 0 GROUP BY ALL
+        UNION ALL
+        SELECT policy, model_version, coalesce(split, 'train'), count(*), avg(final_reward), count(final_reward)
+        FROM policy_rollouts GROUP BY ALL
+        ORDER BY policy NULLS FIRST, policy_version NULLS FIRST, split"""))
     by_source = records(con.execute("""
         SELECT model_version AS policy_version, source, sum(rollouts) AS rollouts,
                sum(reward_mean * rollouts) / sum(rollouts) AS reward_mean
         FROM reward_drift GROUP BY ALL ORDER BY policy_version NULLS FIRST, source"""))
     below = [s["step"] for s in steps
              if s["entropy_floor"] and s["entropy"] is not None and s["entropy"] < s["entropy_floor"]]
-    return {"runs": runs, "run_id": run, "steps": steps, "reward_by_version": by_version,
+    policy = next((r["policy"] for r in runs if r["run_id"] == run), None)
+    return {"runs": runs, "run_id": run, "policy": policy, "steps": steps, "reward_by_version": by_version,
             "reward_by_source": by_source, "entropy_warnings": below}
 
 

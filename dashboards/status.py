@@ -85,22 +85,24 @@ def data_summary(root: Path | str) -> dict:
             transitions, built = con.execute("SELECT count(*), count(DISTINCT build_id) FROM transitions").fetchone()
             steps, runs = con.execute("SELECT count(*), count(DISTINCT run_id) FROM train_steps").fetchone()
             last = con.execute("SELECT max(end_time_unix_nano) FROM spans").fetchone()[0]
+            # the latest step of each policy (one row, policy null, without policies)
             latest = con.execute("""
                 SELECT run_id, count(*) OVER (PARTITION BY run_id), step, policy_version, time_unix_nano, reward_mean,
-                       loss, kl, entropy, clip_ratio, is_ratio_mean, staleness_mean, sync_seconds
-                FROM train_steps ORDER BY time_unix_nano DESC LIMIT 1""").fetchone()
+                       loss, kl, entropy, clip_ratio, is_ratio_mean, staleness_mean, sync_seconds, policy
+                FROM train_steps QUALIFY row_number() OVER (PARTITION BY policy ORDER BY time_unix_nano DESC) = 1
+                ORDER BY time_unix_nano DESC""").fetchall()
         finally:
             con.close()
         return spans, llm_calls, splits, transitions, built, steps, runs, last, latest
 
     spans, llm_calls, splits, transitions, builds, steps, runs, last, latest = store.retry_vanished(read)
-    published = store.policy.read(root)
-    policy = None if published is None else {"version": published.version, "path": published.path}
-    run = None
-    if latest is not None:
-        names = ("run_id", "steps", "step", "policy_version", "time_unix_nano", "reward_mean", "loss", "kl",
-                 "entropy", "clip_ratio", "is_ratio_mean", "staleness_mean", "sync_seconds")
-        run = dict(zip(names, latest))
+    published = store.policy.read_all(root)
+    policy = {"version": published[""].version, "path": published[""].path} if "" in published else None
+    policies = [{"name": name, "version": p.version, "path": p.path} for name, p in sorted(published.items()) if name]
+    names = ("run_id", "steps", "step", "policy_version", "time_unix_nano", "reward_mean", "loss", "kl",
+             "entropy", "clip_ratio", "is_ratio_mean", "staleness_mean", "sync_seconds", "policy")
+    by_policy = [dict(zip(names, row)) for row in latest]
+    run = by_policy[0] if by_policy else None
     remote = store.is_remote(root)
     usage = object_usage(root) if remote else disk_usage(root) if root.is_dir() else {}
     return {"data_dir": root if remote else str(root.resolve()), "exists": remote or root.is_dir(),
@@ -108,7 +110,8 @@ def data_summary(root: Path | str) -> dict:
             "rollouts": sum(n for n, _ in splits.values()),
             "rollouts_by_split": {k: {"rollouts": n, "reward_mean": r} for k, (n, r) in splits.items()},
             "last_span_unix_nano": last, "transitions": transitions, "transition_builds": builds,
-            "train_steps": steps, "training_runs": runs, "policy": policy, "latest_run": run,
+            "train_steps": steps, "training_runs": runs, "policy": policy, "policies": policies,
+            "latest_run": run, "latest_by_policy": {r["policy"]: r for r in by_policy if r["policy"]},
             "disk_bytes": usage}
 
 
@@ -167,8 +170,11 @@ def render(doc: dict) -> str:
              f"  transitions   {_num(d['transitions'])} from {_num(d['transition_builds'])} builds",
              f"  train steps   {_num(d['train_steps'])} in {_num(d['training_runs'])} runs"]
     policy = d["policy"]
-    lines.append(f"  policy        version {policy.get('version')} at {policy.get('path')}" if policy
-                 else "  policy        none published (no policy.json)")
+    if policy or not d["policies"]:
+        lines.append(f"  policy        version {policy.get('version')} at {policy.get('path')}" if policy
+                     else "  policy        none published (no policy.json)")
+    for p in d["policies"]:     # several policies: each served under its name
+        lines.append(f"  policy        {p['name']}: version {p['version']} at {p['path']}")
     if d["disk_bytes"]:
         parts = ", ".join(f"{k} {_size(v)}" for k, v in d["disk_bytes"].items() if k != "total" and v)
         lines.append(f"  disk          {_size(d['disk_bytes']['total'])}" + (f" ({parts})" if parts else ""))
@@ -181,12 +187,12 @@ def render(doc: dict) -> str:
         lines.append(f"inference       {inference['url']}: {state}{problem}")
         for model in inference.get("models", []):
             lines.append(f"  model         {model['id']} (max_model_len {model['max_model_len']}, from {model['root']})")
-    run = d["latest_run"]
-    if run is None:
+    if d["latest_run"] is None:
         lines.append("latest run      none (lightspan train writes train_steps)")
-    else:
-        lines.append(f"latest run      {run['run_id']}: {run['steps']} steps, last step {run['step']} at "
-                     f"{when(run['time_unix_nano'])} -> policy version {run['policy_version']}")
+    runs = d["latest_by_policy"] or ({"": d["latest_run"]} if d["latest_run"] else {})
+    for name, run in runs.items():     # with several policies, the latest run of each
+        lines.append(f"latest run      {name + ': ' if name else ''}{run['run_id']}: {run['steps']} steps, "
+                     f"last step {run['step']} at {when(run['time_unix_nano'])} -> policy version {run['policy_version']}")
         lines.append(f"  last step     reward {_num(run['reward_mean'])}, loss {_num(run['loss'])}, KL {_num(run['kl'])}, "
                      f"entropy {_num(run['entropy'])}, clip {_num(run['clip_ratio'])}, IS {_num(run['is_ratio_mean'])}, "
                      f"staleness {_num(run['staleness_mean'], 2)}, sync {_num(run['sync_seconds'], 2)} s")

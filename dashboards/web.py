@@ -102,10 +102,11 @@ def decoder(data_dir: Path, config: DashboardConfig):
     tokenizer, or None when there is none (the view then shows ids)."""
     source = Path(config.tokenizer) if config.tokenizer else None
     if source is None:
-        published = store.policy.read(data_dir)
-        if published is None:
+        # several policies are adapters over one base: any of them carries the base's tokenizer
+        published = sorted(store.policy.read_all(data_dir).values(), key=lambda p: -p.time_unix_nano)
+        if not published:
             return None
-        source = Path(published.path)
+        source = Path(published[0].path)
     file = _tokenizer_file(source)
     if file is None:
         return None

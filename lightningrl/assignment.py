@@ -49,10 +49,11 @@ def final_rewards(reward: np.ndarray, per_call: np.ndarray, bounds: np.ndarray) 
 
 
 def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens, num_rollouts: int,
-            config: TransitionsConfig, now: int) -> tuple[pa.Table, dict]:
+            config: TransitionsConfig, now: int, policy: str | None = None) -> tuple[pa.Table, dict]:
     """Credit and advantages for the ready rollouts' calls (sorted by rollout, then call order),
     then the output rows of ``config.output`` and their statistics. ``calls``, ``rewards``, ``groups``
-    and ``tokens`` are a :class:`.selection.Found`'s; ``now`` stamps ``created_unix_nano``."""
+    and ``tokens`` are a :class:`.selection.Found`'s; ``now`` stamps ``created_unix_nano``; ``policy``
+    names the policy the rows train (None: the unnamed one)."""
     stats = empty_stats()
     group_of = groups.column("gidx").to_numpy()
     call_ridx = calls.column("ridx").to_numpy()
@@ -103,6 +104,7 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
         "build_id": pa.array([uuid.uuid4().hex] * n, pa.string()),
         "created_unix_nano": pa.array(np.full(n, now, dtype=np.int64), pa.int64()),
         "completion_mask": mask,
+        "policy": pa.array([policy] * n, pa.string()),
     }
     table = pa.table({f.name: columns[f.name].cast(f.type) for f in store.TRANSITION_SCHEMA},
                      schema=store.TRANSITION_SCHEMA)

@@ -24,7 +24,8 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    ``lightspan.rollout`` root span with status ERROR is also failed), ``time_window`` (started
    before ``since`` or at/after ``until``), ``no_token_ids`` (no LLM call at all),
    ``agent_mismatch`` (no call of an agent matching ``agent_match``), ``no_token_ids`` (no
-   matching call with token ids), ``model_version`` (a matching call with token ids served by a
+   matching call with token ids), ``other_policy`` (every such call was served by another named
+   policy, step 7), ``model_version`` (a matching call with token ids served by a
    version outside [min_model_version, max_model_version]), ``truncated`` (``drop_truncated`` and
    every such call stopped at the length limit), ``no_reward`` (no finite reward),
    ``small_group`` (fewer than ``min_group_size`` rollouts of its task left in this build).
@@ -58,6 +59,16 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    G_0 for a sequence that starts at the first call — and the oldest model version of its
    calls (staleness is bounded by the oldest policy that wrote it).
 
+7. Several policies (``policies``, lightspan/store/policies.py): steps 2-6 run once per policy
+   over the spans step 1 read (token lists decoded once), the policy's owned agents as the
+   matching ones: its own anti-join (a rollout built for one policy is still unbuilt for
+   another), its own groups (the rollouts of one task that have its calls), its own credit,
+   gamma and advantage, its rows marked ``policy``. A reward is matched among that policy's calls
+   (step 5), so under ``discounted`` a policy's return counts the rewards from its own calls on. A
+   call of its agents that recorded another policy (``lightspan.policy.name``: served by another
+   adapter, whose logprobs these are) is not trained: ``other_policy``. A call that records no
+   policy is its owner's.
+
 Drop counts are per build. A full build counts every unbuilt rollout again; an incremental
 build counts the rollouts it read (new spans, or pending). Two builds must not run at once on
 one data dir.
@@ -83,8 +94,13 @@ Metrics (one build):
   ``other``.
 - ``transitions/dropped_rollouts/<reason>``: rollouts not emitted, by first reason (above).
 - ``transitions/dropped_calls/duplicate``, ``/agent_mismatch``, ``/no_token_ids``,
-  ``/truncated``: LLM call spans of *emitted* rollouts that are not trained; with ``/calls``
-  they add up to all their LLM call spans.
+  ``/other_policy``, ``/truncated``: LLM call spans of *emitted* rollouts that are not trained;
+  with ``/calls`` they add up to all their LLM call spans.
+- With policies, each policy's metrics (all of the above but ``spans_read`` and
+  ``duplicate_spans``) are ``transitions/policies/<name>/...``; the top-level ones add the
+  policies' up (a rollout emitted for two policies counts twice), the means weighted by what
+  they average over and ``reward_std`` pooled, except ``dropped_calls/agent_mismatch``: the calls
+  of emitted rollouts that *no* policy owns, each once.
 - ``transitions/duplicate_spans``: re-sent copies of spans among those read (ignored).
 - ``transitions/already_built``: rollouts read that earlier builds emitted (skipped).
 - ``transitions/spans_read``: span rows read (both copies of a re-sent span count);
@@ -98,6 +114,7 @@ Metrics (one build):
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import duckdb
@@ -134,18 +151,39 @@ def build_incremental(con: duckdb.DuckDBPyConnection, config: TransitionsConfig,
     watermark, to be saved (``watermark.save``) once the table is written."""
     t0 = time.perf_counter()
     now = time.time_ns() if now_unix_nano is None else int(now_unix_nano)
+    passes = selection.passes(config)
     try:
-        found = selection.read_spans(con, config, since, now, selection.span_files(config.data_dir))
+        founds = selection.read_spans(con, config, since, now, selection.span_files(config.data_dir), passes)
     finally:
         selection.drop_temp(con)
-    if found.num_rollouts:
-        table, stats = assign(found.calls, found.rewards, found.groups, found.tokens, found.num_rollouts, config, now)
-    else:
-        table, stats = store.TRANSITION_SCHEMA.empty_table(), empty_stats()
+    own_config = {p.name: c for p, c in config.policy_configs}
+    tables, per_pass = [], []
+    for p, found in zip(passes, founds):
+        if found.num_rollouts:      # each policy's own credit, gamma and advantage
+            table, stats = assign(found.calls, found.rewards, found.groups, found.tokens, found.num_rollouts,
+                                  own_config.get(p.policy, config), now, p.policy)
+        else:
+            table, stats = store.TRANSITION_SCHEMA.empty_table(), empty_stats()
+        tables.append(table)
+        per_pass.append(_pass_metrics(found, stats))
     # never past spans that may still be on their way to Parquet; never backwards
     lag = now - int(config.watermark_lag_s * 1e9)
-    next_mark = Watermark(max(since.received_unix_nano, min(found.newest, lag)), tuple(sorted(found.pending)))
+    pending = sorted({key for found in founds for key in found.pending})
+    next_mark = Watermark(max(since.received_unix_nano, min(founds[0].newest, lag)), tuple(pending))
 
+    if config.policy_configs:
+        metrics = combined(dict(zip((p.policy for p in passes), per_pass)),
+                           unowned=len(set().union(*(found.unowned for found in founds))))
+    else:
+        metrics = per_pass[0]
+    metrics["transitions/pending_rollouts"] = len(next_mark.pending)
+    metrics["transitions/watermark_unix_nano"] = next_mark.received_unix_nano
+    metrics["transitions/build_seconds"] = time.perf_counter() - t0
+    return pa.concat_tables(tables), metrics, next_mark
+
+
+def _pass_metrics(found: selection.Found, stats: dict) -> dict:
+    """The ``transitions/*`` metrics of one policy's pass."""
     metrics: dict = {"transitions/rollouts": int(found.num_rollouts), **stats,
                      "transitions/truncated_calls": int(found.truncated_calls)}
     for reason in selection.ROLLOUT_DROP_REASONS:
@@ -154,10 +192,55 @@ def build_incremental(con: duckdb.DuckDBPyConnection, config: TransitionsConfig,
         metrics[f"transitions/dropped_calls/{reason}"] = int(found.dropped_calls[reason] or 0)
     for key, value in found.scan.items():
         metrics[f"transitions/{key}"] = int(value)
-    metrics["transitions/pending_rollouts"] = len(next_mark.pending)
-    metrics["transitions/watermark_unix_nano"] = next_mark.received_unix_nano
-    metrics["transitions/build_seconds"] = time.perf_counter() - t0
-    return table, metrics, next_mark
+    return metrics
+
+
+_SHARED = ("transitions/spans_read", "transitions/duplicate_spans")   # step 1: one read for every pass
+_WEIGHTED = {"transitions/reward_mean": "transitions/rollouts", "transitions/return_mean": "transitions/rollouts",
+             "transitions/advantage_abs_mean": "transitions/sequences",
+             "transitions/group_size_mean": "transitions/groups"}
+
+
+def combined(by_policy: dict[str, dict], *, unowned: int) -> dict:
+    """The metrics of a build with policies: each policy's under ``transitions/policies/<name>/``,
+    and at the top the counts added over the policies (a rollout emitted for two policies counts
+    twice), the means weighted by what they average over, ``reward_std`` pooled, and
+    ``dropped_calls/agent_mismatch`` = ``unowned``: calls of emitted rollouts that no policy owns."""
+    first = next(iter(by_policy.values()))
+    out = {}
+    for key, value in first.items():
+        values = [m[key] for m in by_policy.values()]
+        if key in _SHARED:
+            out[key] = value
+        elif key == "transitions/token_files_read":
+            out[key] = max(values)
+        elif key in _WEIGHTED:
+            out[key] = _mean(values, [m[_WEIGHTED[key]] for m in by_policy.values()])
+        elif key == "transitions/reward_std":
+            out[key] = _pooled_std(by_policy.values())
+        else:
+            out[key] = sum(values)
+    out["transitions/dropped_calls/agent_mismatch"] = unowned
+    for name, metrics in by_policy.items():
+        out.update({f"transitions/policies/{name}/{key.removeprefix('transitions/')}": value
+                    for key, value in metrics.items() if key not in _SHARED})
+    return out
+
+
+def _mean(values, weights) -> float:
+    pairs = [(v, w) for v, w in zip(values, weights) if w]
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else math.nan
+
+
+def _pooled_std(metrics) -> float:
+    """The population std of the rollouts' rewards over every policy, from each policy's n, mean, std."""
+    parts = [(m["transitions/rollouts"], m["transitions/reward_mean"], m["transitions/reward_std"])
+             for m in metrics if m["transitions/rollouts"]]
+    if not parts:
+        return math.nan
+    n = sum(k for k, _, _ in parts)
+    mean = sum(k * mu for k, mu, _ in parts) / n
+    return math.sqrt(sum(k * (sd ** 2 + (mu - mean) ** 2) for k, mu, sd in parts) / n)
 
 
 def run(config: TransitionsConfig, *, now_unix_nano: int | None = None) -> dict:

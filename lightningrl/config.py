@@ -6,6 +6,7 @@ config load, with the field and the fix named (``ConfigError``, lightspan/config
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from datetime import datetime, timezone
 
 from lightspan.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.policies import POLICIES_ENV, TRANSITIONS_FIELDS, PolicyConfig, override
+from lightspan.store.policies import load as load_policies
 
 from .advantages import ESTIMATORS
 from .credit import POLICIES
@@ -96,6 +99,12 @@ class TransitionsConfig:
         False, "Leave out calls that stopped at the length limit (finish reason 'length' or "
         "'max_tokens'): counted in transitions/dropped_calls/truncated; a rollout left without a "
         "trainable call is dropped as 'truncated'. Either way transitions/truncated_calls counts them.")
+    policies: str = option(
+        "", "A TOML file of [[policies]] (lightspan/store/policies.py): each policy's calls (those of the "
+        "agents it owns) become its own transitions (column policy), in groups of its own, with its own "
+        "credit, gamma and advantage, dropped calls counted per policy (transitions/policies/<name>/...). "
+        "A call that recorded another policy (lightspan.policy.name) is not trained (other_policy). "
+        "Empty: one unnamed policy trains the calls agent_match selects.", env=POLICIES_ENV)
     incremental: bool = option(
         True, "Keep a watermark in data_dir/lightningrl/state.json so a build reads only the rollouts "
         "with spans received since the last build (plus the still incomplete or too small ones). "
@@ -152,10 +161,24 @@ class TransitionsConfig:
                 and self.min_model_version > self.max_model_version:
             bad("max_model_version", f"{self.max_model_version} is below min_model_version={self.min_model_version}",
                 "give max_model_version >= min_model_version")
+        object.__setattr__(self, "_policies", ())
+        if self.policies:
+            if self.agent_match:
+                bad("agent_match", "is set together with policies, whose agents say which calls train",
+                    "drop agent_match, or the policies file")
+            # each policy's own config: its credit, gamma and advantage, validated here
+            base = dataclasses.replace(self, policies="")
+            object.__setattr__(self, "_policies", tuple(
+                (p, override(base, p, TRANSITIONS_FIELDS)) for p in load_policies(self.policies)))
         if not (isinstance(self.watermark_lag_s, (int, float)) and math.isfinite(self.watermark_lag_s)
                 and self.watermark_lag_s >= 0):
             bad("watermark_lag_s", f"{self.watermark_lag_s!r} is not a finite number of seconds >= 0",
                 "give the seconds spans may take from the collector to Parquet, e.g. 300")
+
+    @property
+    def policy_configs(self) -> tuple[tuple[PolicyConfig, "TransitionsConfig"], ...]:
+        """(policy, its config) for each policy of the ``policies`` file; empty without one."""
+        return self._policies
 
     @property
     def since_unix_nano(self) -> int | None:

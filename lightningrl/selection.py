@@ -12,7 +12,9 @@ tables and registered arrays from the connection afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import duckdb
@@ -20,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from lightspan import store
+from lightspan.store.policies import owner
 from lightspan.tracing import semconv
 
 from .config import TransitionsConfig
@@ -27,9 +30,10 @@ from .tokens import Reader, Tokens
 from .watermark import Watermark
 
 ROLLOUT_DROP_REASONS = ("split", "duplicate", "incomplete", "failed", "timeout", "time_window",
-                        "no_token_ids", "agent_mismatch", "model_version", "truncated", "no_reward",
-                        "small_group")
-CALL_DROP_REASONS = ("duplicate", "agent_mismatch", "no_token_ids", "truncated")  # _DROPPED_CALLS_SQL order
+                        "no_token_ids", "agent_mismatch", "other_policy", "model_version", "truncated",
+                        "no_reward", "small_group")
+CALL_DROP_REASONS = ("duplicate", "agent_mismatch", "no_token_ids", "other_policy",
+                     "truncated")  # _DROPPED_CALLS_SQL order
 PENDING_REASONS = ("incomplete", "small_group")
 LLM_OPERATIONS = ("chat", "text_completion", "completion", "generate_content")   # as store's llm_calls
 TRUNCATED_FINISH = ("length", "max_tokens")
@@ -65,7 +69,7 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
                 CASE WHEN s.attributes[$tl_kind] = '"agent"' THEN trim(s.attributes[$tl_entity], '"') END
        ) AS agent_label,
        CASE WHEN s.attributes[$tl_kind] = '"task"' THEN trim(s.attributes[$tl_entity], '"') END AS task_label,
-       s.reward, s.model_version, s.temperature, s.received_unix_nano,
+       s.reward, s.model_version, s.policy AS served_policy, s.temperature, s.received_unix_nano,
        CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome,
        -- a reward that scores one call (a person's, in the web UI) names it
        CASE WHEN s.reward IS NOT NULL THEN json_extract_string(s.attributes[$reward_call], '$') END AS reward_call
@@ -118,8 +122,10 @@ WITH roll AS (
     FROM _lrl_spans
     GROUP BY 1
 ), built AS (
+    -- built for this policy (the pass's; null: the unnamed one)
     SELECT rollout_id, min(created_unix_nano) AS built_at FROM transitions
-    WHERE rollout_id IN (SELECT rollout_key FROM roll) GROUP BY 1
+    WHERE rollout_id IN (SELECT rollout_key FROM roll) AND policy IS NOT DISTINCT FROM $policy::VARCHAR
+    GROUP BY 1
 )
 SELECT r.rollout_key, r.task_id, r.split, b.built_at IS NOT NULL AS built,
        CASE WHEN r.split <> $split THEN 'split'
@@ -145,7 +151,7 @@ _CALLS_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_calls AS
 WITH c AS (
     SELECT s.rollout_key, s.trace_id, s.span_id, s.parent_span_id, s.agent_label AS agent_name,
-           s.service_name, s.start_ns, s.end_ns, s.model_version, s.temperature,
+           s.service_name, s.start_ns, s.end_ns, s.model_version, s.served_policy, s.temperature,
            coalesce(list_contains($truncated::VARCHAR[], s.finish_reason), false) AS truncated, t.hpos,
            s.capture_status IS NOT DISTINCT FROM 'duplicate' AS marked_duplicate,
            coalesce(t.plen > 0 AND t.clen > 0 AND t.llen = t.clen, false) AS has_tokens
@@ -198,15 +204,17 @@ WHERE r.reason IS NULL AND s.reward IS NOT NULL AND isfinite(s.reward)
 _FINAL_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_final AS
 WITH calls AS (
-    SELECT *, list_contains($agents::VARCHAR[], agent_key) AS matched FROM _lrl_calls WHERE NOT duplicate
+    SELECT *, list_contains($agents::VARCHAR[], agent_key) AS matched, {own} AS own
+    FROM _lrl_calls WHERE NOT duplicate
 ), per AS (
     SELECT rollout_key,
            count(*) FILTER (WHERE matched) AS matched,
            count(*) FILTER (WHERE matched AND has_tokens) AS with_tokens,
-           count(*) FILTER (WHERE matched AND has_tokens AND NOT (truncated AND $drop_truncated)) AS trainable,
+           count(*) FILTER (WHERE matched AND has_tokens AND own) AS served_here,
+           count(*) FILTER (WHERE matched AND has_tokens AND own AND NOT (truncated AND $drop_truncated)) AS trainable,
            bool_and(coalesce(($vmin::BIGINT IS NULL OR model_version >= $vmin::BIGINT)
                              AND ($vmax::BIGINT IS NULL OR model_version <= $vmax::BIGINT), false))
-               FILTER (WHERE matched AND has_tokens) AS in_versions
+               FILTER (WHERE matched AND has_tokens AND own) AS in_versions
     FROM calls GROUP BY rollout_key
 ), rew AS (
     SELECT rollout_key, count(*) AS num_rewards FROM _lrl_rewards GROUP BY rollout_key
@@ -217,6 +225,7 @@ WITH calls AS (
                     CASE WHEN p.rollout_key IS NULL THEN 'no_token_ids'
                          WHEN p.matched = 0 THEN 'agent_mismatch'
                          WHEN p.with_tokens = 0 THEN 'no_token_ids'
+                         WHEN p.served_here = 0 THEN 'other_policy'
                          WHEN NOT p.in_versions THEN 'model_version'
                          WHEN p.trainable = 0 THEN 'truncated'
                          WHEN w.num_rewards IS NULL THEN 'no_reward' END) AS reason
@@ -240,7 +249,7 @@ FROM _lrl_final WHERE reason IS NULL
 _FETCH_CALLS_SQL = """
 SELECT k.ridx, c.rollout_key || '/' || c.span_id AS transition_id, c.rollout_key, k.task_id, k.split,
        nullif(c.agent_key, '') AS agent_name, c.agent_key, c.end_ns, c.model_version, c.temperature, c.hpos,
-       c.has_tokens AND NOT (c.truncated AND $drop_truncated) AS emit
+       c.has_tokens AND {own} AND NOT (c.truncated AND $drop_truncated) AS emit
 FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
 WHERE NOT c.duplicate AND list_contains($agents::VARCHAR[], c.agent_key)
 ORDER BY k.ridx, c.start_ns, c.end_ns, c.span_id, c.trace_id
@@ -254,15 +263,28 @@ ORDER BY k.ridx, w.time_ns, w.span_id, w.reward
 
 _DROPPED_CALLS_SQL = """
 WITH c AS (
-    SELECT c.*, list_contains($agents::VARCHAR[], c.agent_key) AS matched
+    SELECT c.*, list_contains($agents::VARCHAR[], c.agent_key) AS matched, {own} AS own
     FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
 )
 SELECT count(*) FILTER (WHERE duplicate),
        count(*) FILTER (WHERE NOT duplicate AND NOT matched),
        count(*) FILTER (WHERE NOT duplicate AND matched AND NOT has_tokens),
-       count(*) FILTER (WHERE NOT duplicate AND matched AND has_tokens AND truncated AND $drop_truncated),
-       count(*) FILTER (WHERE NOT duplicate AND matched AND has_tokens AND truncated)
+       count(*) FILTER (WHERE NOT duplicate AND matched AND has_tokens AND NOT own),
+       count(*) FILTER (WHERE NOT duplicate AND matched AND has_tokens AND own AND truncated AND $drop_truncated),
+       count(*) FILTER (WHERE NOT duplicate AND matched AND has_tokens AND own AND truncated)
 FROM c
+"""
+
+# A call served by another named policy (lightspan.policy.name) is not this policy's sample: its
+# logprobs are another adapter's. A call that records no policy is its owner's.
+_OWN = "($policy::VARCHAR IS NULL OR c.served_policy IS NULL OR c.served_policy = $policy::VARCHAR)"
+_FINAL_SQL = _FINAL_SQL.replace("{own}", _OWN.replace("c.", ""))
+_FETCH_CALLS_SQL = _FETCH_CALLS_SQL.replace("{own}", _OWN)
+_DROPPED_CALLS_SQL = _DROPPED_CALLS_SQL.replace("{own}", _OWN)
+
+_UNOWNED_SQL = """
+SELECT c.rollout_key || '/' || c.span_id FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
+WHERE NOT c.duplicate AND NOT list_contains($owned::VARCHAR[], c.agent_key)
 """
 
 _TEMP_TABLES = ("_lrl_scope", "_lrl_spans", "_lrl_copies", "_lrl_rollouts", "_lrl_calls", "_lrl_agents", "_lrl_rewards", "_lrl_final",
@@ -275,9 +297,19 @@ def span_files(data_dir) -> list[str]:
     return [str(p) for p in store.table_files(data_dir, "spans")]
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One policy's share of a build: its name (None: the unnamed policy of every matching call) and
+    which attributed agents it owns."""
+
+    policy: str | None
+    owns: Callable[[str], bool]
+    owned_by_any: Callable[[str], bool] = bool     # whether some policy owns the agent (policies only)
+
+
 @dataclass
 class Found:
-    """What the SQL part of one build found; the defaults are an empty read."""
+    """What the SQL part of one build found for one :class:`Pass`; the defaults are an empty read."""
 
     scan: dict = field(default_factory=lambda: {
         "spans_read": 0, "duplicate_spans": 0, "token_files_read": 0, "already_built": 0})
@@ -291,14 +323,28 @@ class Found:
     rewards: pa.Table | None = None
     groups: pa.Table | None = None
     tokens: Tokens | None = None
+    unowned: set = field(default_factory=set)   # ids of emitted rollouts' calls no policy owns
 
 
-def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files: list[str]) -> Found:
-    """Step 1: the spans in scope, deduplicated, into ``_lrl_spans``; then :func:`_select`.
+def passes(config: TransitionsConfig) -> list[Pass]:
+    """The build's passes: one per configured policy, else one of the calls ``agent_match`` selects."""
+    if not config.policy_configs:
+        pattern = re.compile(config.agent_match)
+        return [Pass(None, (lambda name: bool(pattern.search(name))) if config.agent_match else (lambda name: True))]
+    policies = tuple(p for p, _ in config.policy_configs)
+    # owner() raises ConfigError for an agent two agent_match patterns claim
+    return [Pass(p.name, lambda name, p=p: owner(policies, name) is p, lambda name: owner(policies, name) is not None)
+            for p in policies]
+
+
+def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files: list[str],
+               passes: list[Pass]) -> list[Found]:
+    """Step 1: the spans in scope, deduplicated, into ``_lrl_spans``; then :func:`_select` for each
+    of ``passes`` (its steps 2-5 over the same spans; token lists are decoded once).
     ``files``: the span files to read (:func:`span_files`); ``now``: the build's time."""
     found = Found(newest=since.received_unix_nano, pending=list(since.pending))
     if not files:
-        return found
+        return [dataclasses.replace(found, pending=list(found.pending)) for _ in passes]
     source = (f"read_parquet({store.quote_list(files)}, filename=true, file_row_number=true, "
               f"union_by_name=true, hive_partitioning=false)")
     source = f"({store.with_all_columns(con, 'spans', f'SELECT * FROM {source}')})"
@@ -310,7 +356,7 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
             con.register("_lrl_pending", pa.table({"rollout_key": pa.array(found.pending, pa.string())}))
             con.execute(_SCOPE_SQL.format(source=source), {"watermark": since.received_unix_nano})
             if not con.execute("SELECT count(*) FROM _lrl_scope").fetchall()[0][0]:
-                return found
+                return [dataclasses.replace(found, pending=list(found.pending)) for _ in passes]
             where = "WHERE coalesce(s.rollout_id, s.trace_id) IN (SELECT rollout_key FROM _lrl_scope)"
             reader.prefetch(f for (f,) in con.execute(_NEW_FILES_SQL.format(source=source),
                                                       {"watermark": since.received_unix_nano}).fetchall())
@@ -329,16 +375,21 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
         con.execute(_TASK_AGENTS_SQL)
         found.scan.update(spans_read=int(read or 0), duplicate_spans=int(copies or 0))
         found.newest = max(found.newest, -1 if newest is None else int(newest))
-        _select(con, config, now, reader, found)
+        out = []
+        for p in passes:
+            mine = dataclasses.replace(found, scan=dict(found.scan), pending=list(found.pending))
+            _select(con, config, now, reader, mine, p)
+            out.append(mine)
     finally:
         reader.close()
-    return found
+    return out
 
 
-def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Found) -> None:
-    """Steps 2–5 in SQL over ``_lrl_spans``: the calls, rewards and groups of the ready rollouts."""
+def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Found, p: Pass) -> None:
+    """Steps 2–5 in SQL over ``_lrl_spans``: the calls, rewards and groups of the ready rollouts of
+    pass ``p`` (its policy's agents)."""
     con.execute(_ROLLOUTS_SQL, {
-        "runner": semconv.SPAN_RUNNER, "root": semconv.SPAN_ROLLOUT, "split": config.split,
+        "runner": semconv.SPAN_RUNNER, "root": semconv.SPAN_ROLLOUT, "split": config.split, "policy": p.policy,
         "ops": list(LLM_OPERATIONS), "cutoff": now - int(config.grace_s * 1e9),
         "since": config.since_unix_nano, "until": config.until_unix_nano})
     found.scan["already_built"] = con.execute("SELECT count(*) FROM _lrl_rollouts WHERE built").fetchall()[0][0]
@@ -355,9 +406,9 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     con.execute(_REWARDS_SQL)
     names = [row[0] for row in con.execute(
         "SELECT DISTINCT agent_key FROM _lrl_calls WHERE NOT duplicate ORDER BY 1").fetchall()]
-    pattern = re.compile(config.agent_match)
-    agents = [n for n in names if pattern.search(n)] if config.agent_match else names
-    con.execute(_FINAL_SQL, {"agents": agents, "min_group_size": config.min_group_size,
+    agents = [n for n in names if p.owns(n)]
+    owned = [n for n in names if p.owned_by_any(n)] if p.policy is not None else []
+    con.execute(_FINAL_SQL, {"agents": agents, "policy": p.policy, "min_group_size": config.min_group_size,
                              "drop_truncated": config.drop_truncated,
                              "vmin": config.min_model_version, "vmax": config.max_model_version})
     con.execute(_READY_SQL)
@@ -368,12 +419,14 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
         "SELECT rollout_key FROM _lrl_final WHERE list_contains($reasons::VARCHAR[], reason)",
         {"reasons": list(PENDING_REASONS)}).fetchall()]
     found.num_rollouts = con.execute("SELECT count(*) FROM _lrl_ready").fetchall()[0][0]
-    params = {"agents": agents, "drop_truncated": config.drop_truncated}
+    params = {"agents": agents, "policy": p.policy, "drop_truncated": config.drop_truncated}
     found.calls = con.sql(_FETCH_CALLS_SQL, params=params).to_arrow_table()
     found.rewards = con.sql(_FETCH_REWARDS_SQL).to_arrow_table()
     found.groups = con.sql("SELECT gidx FROM _lrl_ready ORDER BY ridx").to_arrow_table()
     *counts, found.truncated_calls = con.execute(_DROPPED_CALLS_SQL, params).fetchall()[0]
     found.dropped_calls = dict(zip(CALL_DROP_REASONS, counts))
+    if p.policy is not None:     # calls of agents no policy owns, counted once however many passes see them
+        found.unowned = {row[0] for row in con.execute(_UNOWNED_SQL, {"owned": owned}).fetchall()}
 
 
 def drop_temp(con: duckdb.DuckDBPyConnection) -> None:

@@ -39,10 +39,18 @@ class Watermark:
     pending: tuple[str, ...] = ()     # rollout keys to read again even without a new span
 
 
+def _fields(config) -> dict:
+    fields = {k: v for k, v in to_dict(config).items() if k not in _NOT_SELECTION}
+    if fields.get("policies"):      # what the policies say, not where the file is
+        fields["policies"] = [to_dict(p) for p, _ in config.policy_configs]
+    else:                           # the key of a build without policies stays what it was
+        fields.pop("policies", None)
+    return fields
+
+
 def selection(config) -> str:
     """A stable key of the config fields that select and shape the transitions."""
-    fields = {k: v for k, v in sorted(to_dict(config).items()) if k not in _NOT_SELECTION}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_fields(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load(config) -> Watermark:
@@ -57,7 +65,7 @@ def save(config, watermark: Watermark) -> Path | str:
     """Store ``watermark`` for ``config``'s selection, atomically (temp file + rename; one PUT in a bucket)."""
     path = store.join(store.data_dir(config.data_dir), STATE_FILE)
     selections = _read(config.data_dir)
-    fields = {k: v for k, v in to_dict(config).items() if k not in _NOT_SELECTION}
+    fields = _fields(config)
     selections[selection(config)] = {
         "received_unix_nano": watermark.received_unix_nano, "pending": sorted(watermark.pending),
         "updated_unix_nano": time.time_ns(), "config": fields}

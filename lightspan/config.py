@@ -135,6 +135,25 @@ def resolve(cls, *, section: str, file: str | os.PathLike | None = None,
     return cls(**coerced)
 
 
+def from_table(cls, *, section: str, table: Mapping[str, Any], where: str = ""):
+    """Build ``cls`` from one TOML table (a ``[[...]]`` array entry): every key must be a field
+    (``-`` and ``_`` alike), each value is coerced to the field's type; errors name ``section.key``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = _types(cls)
+    values = {}
+    for key, value in table.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(section, name, f"unknown field{' in ' + where if where else ''}",
+                              f"use one of: {', '.join(sorted(fields))}")
+        values[name] = _coerce(section, name, types[name], value)
+        choices = fields[name].metadata.get("choices")
+        if choices and values[name] not in choices:
+            raise ConfigError(section, name, f"{values[name]!r} is not allowed",
+                              f"use one of: {', '.join(map(str, choices))}")
+    return cls(**values)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls, section: str) -> None:
     """One ``--field-name`` option per field, documented by the field's help."""
     for f in dataclasses.fields(cls):

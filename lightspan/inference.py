@@ -29,6 +29,8 @@ from pathlib import Path
 import requests
 
 from lightspan.config import ConfigError, option
+from lightspan.store.policies import POLICIES_ENV
+from lightspan.store.policies import load as load_policies
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,10 @@ class VLLMConfig:
                             "adapter's name, which the trainer loads when it starts. 0: no LoRA.")
     base_model_name: str = option("", "With lora_rank: the name of the base model; empty means "
                                   "'<served_model_name>-base'.")
+    policies: str = option("", "A TOML file of [[policies]] (lightspan/store/policies.py): serve each policy's "
+                           "adapter under its name, side by side over the one base (needs lora_rank >= every "
+                           "policy's lora_r). --max-loras is then 2 per policy + 1: its stable name and its "
+                           "versioned one, and one more while a sync swaps them.", env=POLICIES_ENV)
     aliases: tuple[str, ...] = option((), "More names the model answers to (comma-separated), for agents that "
                                           "hard-code a hosted model's name, e.g. gpt-4o-mini,claude-sonnet-4-5.")
     tool_call_parser: str = option(
@@ -93,6 +99,8 @@ class VLLMConfig:
             raise ConfigError("vllm", "aliases", "with LoRA the trained policy is an adapter, and vLLM serves "
                               "no aliases of an adapter: the aliases would call the untrained base model",
                               "point the agents at served_model_name (or through the gateway), or drop aliases")
+        if self.policies:
+            self._check_policies()
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError("vllm", "chat_template", f"{self.chat_template} is not a file", "pass a Jinja template file")
         try:
@@ -100,6 +108,29 @@ class VLLMConfig:
         except ValueError as exc:
             raise ConfigError("vllm", "extra_args", f"does not parse as shell words ({exc})",
                               "quote it like a shell command line") from None
+
+    def _check_policies(self) -> None:
+        policies = load_policies(self.policies)
+        if not self.lora_rank:
+            raise ConfigError("vllm", "lora_rank", "is 0, but every policy is a LoRA adapter",
+                              "pass --lora-rank R >= every policy's lora_r (one of "
+                              f"{', '.join(map(str, LORA_RANKS[1:]))})")
+        for p in policies:
+            if p.lora_r is not None and p.lora_r > self.lora_rank:
+                enough = next((r for r in LORA_RANKS if r >= p.lora_r), LORA_RANKS[-1])
+                raise ConfigError("vllm", "lora_rank", f"{self.lora_rank} is below policy {p.name!r}'s lora_r "
+                                  f"{p.lora_r}", f"pass --lora-rank {enough} or more")
+            if p.name == self.served_base_name:
+                raise ConfigError("policies", f"{p.name}.name", "is the name the base model is served under",
+                                  "rename the policy, or pass another --base-model-name")
+        object.__setattr__(self, "_num_policies", len(policies))
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters vLLM holds at once: the stable and the versioned name of each adapter, and one
+        more during a swap, where the new version is loaded before the old one goes (trainer/sync.py)."""
+        policies = getattr(self, "_num_policies", 0)
+        return 2 * policies + 1 if policies else 2
 
     @property
     def url(self) -> str:
@@ -161,9 +192,10 @@ def _template_file(template: str) -> str:
 def command(cfg: VLLMConfig, extra: list[str] = ()) -> list[str]:
     # --logprobs-mode processed_logprobs: the recorded logprobs are the behaviour policy's
     # (docs/architecture.md, "Trainer"); --enforce-eager: healthy in ~40 s instead of ~2 min of
-    # torch.compile. --max-loras 2: the stable name and the versioned one of the same adapter
-    # (trainer/sync.py).
-    lora = (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "2"] if cfg.lora_rank else [])
+    # torch.compile. --max-loras: the stable names and the versioned ones (VLLMConfig.max_loras); the
+    # CPU cache holds as many, so no adapter in use is evicted and read from disk again.
+    lora = (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", str(cfg.max_loras),
+             *(["--max-cpu-loras", str(cfg.max_loras)] if cfg.policies else [])] if cfg.lora_rank else [])
     tools, wrapped = tool_calling(cfg)
     template = wrapped and _template_file(wrapped) or cfg.chat_template
     return [cfg.python, "-m", "vllm.entrypoints.openai.api_server",

@@ -55,25 +55,35 @@ class Admission:
 
 
 class PolicyVersion:
-    """The served policy version: set at resume, else ``policy.json`` (re-read when it changes)."""
+    """The served policy version: set at resume, else ``policy.json`` (re-read when it changes);
+    with several policies, each named one's (:meth:`published`)."""
 
     def __init__(self, data_dir: str):
         self.data_dir = data_dir
         self.path = store.policy.path(data_dir)
         self.override: int | None = None
-        self._cached: tuple[float, int | None] = (-1.0, None)
+        self._cached: tuple[float, dict[str, store.policy.Policy]] = (-1.0, {})
 
-    def get(self) -> int | None:
-        if self.override is not None:
-            return self.override
+    def published(self) -> dict[str, store.policy.Policy]:
+        """Every published policy by name (``""``: the unnamed one); {} before any is published. An
+        unreadable file keeps what was read last."""
         try:
             # in a bucket there is no cheap stat: the object is read again every 2 s
             mtime = (time.monotonic() // 2 if store.is_remote(str(self.path)) else self.path.stat().st_mtime)
         except OSError:
-            return 0  # no policy published yet: the initial model
+            return {}
         if mtime != self._cached[0]:
-            published = store.policy.read(self.data_dir)
-            if published is None:      # unreadable: keep the version last read
+            published = store.policy.read_all(self.data_dir)
+            if not published:
                 return self._cached[1]
-            self._cached = (mtime, published.version)
+            self._cached = (mtime, published)
         return self._cached[1]
+
+    def get(self) -> int | None:
+        """The unnamed policy's version (0 before any is published); None when only named policies are."""
+        if self.override is not None:
+            return self.override
+        if not store.is_remote(str(self.path)) and not self.path.exists():
+            return 0  # no policy published yet: the initial model
+        policy = self.published().get("")
+        return policy.version if policy is not None else None

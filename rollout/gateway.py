@@ -15,7 +15,9 @@ streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol send
    ``/rollouts/{id}/v1/...``, the task from ``X-Lightspan-Task-Id`` or ``/tasks/{id}``, the split
    from ``X-Lightspan-Split`` or ``/splits/{split}`` (prefixes combine, in any order:
    ``/rollouts/r1/tasks/t7/v1/chat/completions``; a header wins over the path), and the agent's
-   name from ``x-lightspan-agent``;
+   name from ``x-lightspan-agent``; with several policies (``policies``) a named agent's call goes
+   to the model of the policy that owns it, and a call to a policy's model name records that
+   policy and its version (rollout/routing.py);
 4. answers with what the caller asked for (``strip_capture_fields``, on by default): the ids and
    logprobs the gateway added are set back to ``null``, exactly as vLLM sends those keys when they
    were not requested; fields the caller did ask for are kept. An Anthropic caller gets the
@@ -30,7 +32,8 @@ Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 a
 ``Retry-After``, then waits until the in-flight ones have finished (200 ``drained``, or 504 after
 ``?timeout_s=`` / ``drain_timeout_s``, still paused); ``POST /admin/resume`` (optional JSON body
 ``{"model_version": N}``) lets them in again. ``GET /admin/status`` and ``GET /health`` report.
-The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json``.
+The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json`` (with
+several policies, the version of the policy the call's model name is).
 With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
 rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
 out of rotation (:mod:`lightspan.rollout.replicas`).
@@ -49,8 +52,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import requests
 import urllib3
@@ -59,14 +61,15 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lightspan import http
-from lightspan.config import ConfigError, is_loopback, option
+from lightspan.config import ConfigError
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
+from lightspan.rollout.gateway_config import GatewayConfig
 from lightspan.rollout.exchanges import Exchange, error_body, exchange
 from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
 from lightspan.rollout.replicas import Upstreams, untraced_key
+from lightspan.rollout.routing import served_attributes, served_model
 from lightspan.rollout.upstream import Upstream, lines
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.tracing import messages, semconv, urls
 from lightspan.tracing.capture import loads
 
@@ -77,60 +80,6 @@ log = logging.getLogger(__name__)
 _FORWARDED_HEADERS = ("authorization", "accept", "x-request-id", "user-agent")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ADMIN_BODY_BYTES = 64 << 10
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    upstream: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server (without /v1).")
-    upstreams: tuple[str, ...] = option(
-        (), "Several vLLM replicas instead of upstream, comma-separated base URLs (dns+http://NAME:PORT: every "
-            "address of NAME, a Kubernetes headless Service). A rollout's calls all go to one replica (its prefix "
-            "cache), rollouts spread over them; replicas the trainer's last sync took out of rotation "
-            "(DATA_DIR/replicas.json) get none.")
-    host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
-    port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
-    otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
-    service_name: str = option("lightspan-gateway", "service.name of the gateway's spans.")
-    data_dir: str = option(DEFAULT_DATA_DIR, "Data directory; its policy.json gives the served policy version.",
-                           env=DATA_DIR_ENV)
-    strip_capture_fields: bool = option(
-        True, "Answer with the fields the caller asked for: token ids and logprobs the gateway added are set "
-              "back to null. Off: callers also get them.")
-    capture_content: bool = option(True, "Record prompts and completions as gen_ai.input/output.messages.")
-    max_in_flight: int = option(256, "Generation requests proxied at once; past it, 429 with Retry-After.")
-    retry_after_s: int = option(1, "Retry-After (seconds) of a 429 while paused or full.")
-    drain_timeout_s: float = option(120.0, "How long POST /admin/pause waits for in-flight requests.")
-    upstream_timeout_s: float = option(600.0, "Read timeout for vLLM's answer (between stream chunks).")
-    max_body_bytes: int = option(16 << 20, "Largest request body accepted (413 past it).")
-    admin_token: str = option("", "When set, /admin/* needs 'Authorization: Bearer TOKEN'.")
-    allow_no_admin_token: bool = option(
-        False, "Let the gateway bind a non-loopback host without admin_token (anyone who reaches it can pause "
-               "inference and set the recorded policy version). Without it such a start fails.")
-    allowed_hosts: tuple[str, ...] = option(
-        (), "Host names the gateway answers to besides IP addresses and localhost, comma-separated (e.g. its "
-            "service name); a request naming another host gets 403 (a DNS-rebinding guard). \"*\": any.")
-    max_connections: int = option(1024, "Open connections; past it a new one gets 503 + Retry-After.")
-    read_timeout_s: float = option(30.0, "Time a request's head and body have to arrive, from its first byte "
-                                         "(408 past it; the connection is closed).")
-
-    def __post_init__(self):
-        if not urlsplit(self.upstream).scheme.startswith("http"):
-            raise ConfigError("gateway", "upstream", f"{self.upstream!r} is not an http(s) URL",
-                              "pass --upstream http://HOST:PORT (the vLLM server)")
-        for target in self.upstreams:
-            if not urlsplit(target.removeprefix("dns+")).scheme.startswith("http"):
-                raise ConfigError("gateway", "upstreams", f"{target!r} is not an http(s) URL",
-                                  "pass --upstreams http://HOST:PORT,... or dns+http://NAME:PORT")
-        for name in ("max_in_flight", "max_body_bytes", "max_connections"):
-            if getattr(self, name) < 1:
-                raise ConfigError("gateway", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
-        if not (math.isfinite(self.read_timeout_s) and self.read_timeout_s > 0):
-            raise ConfigError("gateway", "read_timeout_s", "must be a positive number of seconds", "pass e.g. 30")
-        if not is_loopback(self.host) and not self.admin_token and not self.allow_no_admin_token:
-            raise ConfigError("gateway", "admin_token", f"host {self.host!r} exposes /admin/pause and /admin/resume "
-                              "beyond this machine without a token",
-                              "set gateway.admin_token (LIGHTSPAN_GATEWAY_ADMIN_TOKEN), bind 127.0.0.1, or set "
-                              "gateway.allow_no_admin_token = true to run without one on purpose")
 
 
 def _error(api: str | None, code: int, message: str, headers: dict | None = None) -> http.Response:
@@ -296,6 +245,7 @@ class Gateway:
             raise http.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
+            asked = self._routed(asked, ids.get(semconv.GEN_AI_AGENT_NAME))
             return self._traced(request, exchange(api, asked, upstream, self.cfg.strip_capture_fields), ids)
         finally:
             self.admission.leave()
@@ -341,7 +291,8 @@ class Gateway:
                     return _error(ex.api, 502, f"upstream answer unreadable: {e}")
             complete = ex.finished
             if complete:
-                span.set_attributes(ex.attributes(self.version.get(), self.cfg.capture_content))
+                span.set_attributes({**ex.attributes(self.version.get(), self.cfg.capture_content),
+                                     **served_attributes(self.version.published(), model)})
             else:
                 span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
         finally:
@@ -356,6 +307,14 @@ class Gateway:
             else:
                 request.abandon()              # unterminated: the caller sees the break
         return answer
+
+    def _routed(self, asked: dict, agent: str | None) -> dict:
+        """The request with the model of the policy that owns ``agent`` (rollout/routing.py)."""
+        try:
+            model = served_model(self.cfg.policy_configs, agent, asked.get("model"))
+        except ConfigError as e:      # two policies' agent_match patterns claim this agent
+            raise http.HTTPError(400, f"agent {agent!r} cannot be routed: {e}") from None
+        return asked if model == asked.get("model") else {**asked, "model": model}
 
     def _upstream_failed(self, span, message: str, code: int | None = None) -> None:
         span.set_attribute(semconv.CAPTURE_STATUS, "upstream_error")

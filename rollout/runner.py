@@ -197,7 +197,12 @@ def rollout_env(cfg: RolloutConfig, task: dict, rollout_id: str, version: int | 
         "AGL_EVENT_URL": f"{cfg.collector_api_url.rstrip('/')}/v1/rollouts/{quote(rollout_id, safe='')}/events",
         **task_variables(task, cfg.variables),
     }
-    if version is not None:
+    # several policies (policy.json names them): each call's version follows from the model name
+    # it used, read here at the rollout's start; else the one version of the run
+    versions = store.policy.served_versions(cfg.data_dir)
+    if versions:
+        env[semconv.POLICY_VERSIONS_ENV] = semconv.format_policy_versions(versions)
+    elif version is not None:
         env["LIGHTSPAN_MODEL_VERSION"] = str(version)
     return env
 

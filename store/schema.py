@@ -44,6 +44,7 @@ SPAN_SCHEMA = pa.schema([
     ("completion_logprobs", pa.list_(pa.float32())),  # choice 0, sampled-token logprobs
     ("num_choices", pa.int32()),
     ("model_version", pa.int64()),
+    ("policy", pa.string()),                 # lightspan.policy.name: the policy that served the call
     ("capture_status", pa.string()),
     ("reward", pa.float64()),
     ("reward_name", pa.string()),
@@ -79,10 +80,13 @@ TRANSITION_SCHEMA = pa.schema([
     # per-rollout output: 1 where the model sampled the completion token, 0 where it did not
     # (tool output, user turn, template tokens); null = all ones (one call per transition)
     ("completion_mask", pa.list_(pa.int8())),
+    # the policy that trains on it (lightspan/store/policies.py); null: the unnamed policy
+    ("policy", pa.string()),
 ])
 
 TRAIN_STEP_SCHEMA = pa.schema([
     ("run_id", pa.string()),
+    ("policy", pa.string()),                 # the policy the step trained; null: the unnamed policy
     ("step", pa.int64()),
     ("policy_version", pa.int64()),          # the version the step produced
     ("time_unix_nano", pa.int64()),

@@ -88,6 +88,8 @@ _VIEWS = {
                    min(start_time_unix_nano) AS start_time_unix_nano,
                    max(end_time_unix_nano) AS end_time_unix_nano,
                    max(model_version) AS model_version,
+                   -- the named policies that served its calls (lightspan.policy.name), sorted; [] for none
+                   coalesce(list_sort(list_distinct(list(policy) FILTER (WHERE policy IS NOT NULL))), []) AS policies,
                    -- the runner's outcome span (lightspan rollout): ok, failed or timeout, and the exit code
                    any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
                        FILTER (WHERE name = 'lightspan.runner') AS outcome,
@@ -130,6 +132,15 @@ _MACROS = [
 ]
 _DERIVED = {
     "pass_at_k": "SELECT * FROM pass_k()",
+    # one row per rollout and named policy that served one of its calls: that policy's versions
+    # among them (a policy's calls of one rollout may span a sync) and the rollout's outcome
+    "policy_rollouts": """
+        SELECT p.rollout_key, p.policy, r.task_id, r.split, p.num_llm_calls, p.min_model_version,
+               p.model_version, r.final_reward, r.status, r.start_time_unix_nano
+        FROM (SELECT rollout_key, policy, count(*) AS num_llm_calls, min(model_version) AS min_model_version,
+                     max(model_version) AS model_version
+              FROM llm_calls WHERE policy IS NOT NULL GROUP BY ALL) p
+        JOIN rollouts r USING (rollout_key)""",
     # the judge's and a person's scores of the same rollout (the latest of each), where both exist
     "reward_agreement": """
         SELECT rollout_key, any_value(task_id) AS task_id,
@@ -158,7 +169,8 @@ def _glob(root, table: str) -> str | None:
 
 def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
-    ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``.
+    ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``
+    (and the derived ``pass_at_k``, ``reward_agreement``, ``policy_rollouts``).
 
     The views read the files as they are: the collector writes ``spans`` deduplicated on
     (trace_id, span_id) and ``logs`` on record_id (lightspan.collector.dedup), so no view pays for a

@@ -40,6 +40,21 @@ def _model_version(raw: str) -> int | None:
     return int(version) if version.lstrip("-").isdigit() else None
 
 
+def served_policy(model: str | None) -> tuple[str | None, int | None]:
+    """(policy, version) that served a call to ``model``: with several policies served
+    (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
+    ``LIGHTSPAN_MODEL_VERSION``'s version."""
+    versions = _policy_versions(os.environ.get(semconv.POLICY_VERSIONS_ENV, ""))
+    if model in versions:
+        return model, versions[model]
+    return None, model_version()
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_versions(raw: str) -> dict[str, int]:
+    return semconv.parse_policy_versions(raw)
+
+
 def content_on() -> bool:
     """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
     switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
@@ -103,8 +118,15 @@ class Call:
     def _record(self) -> None:
         cap, span = self.cap, self.span
         try:
-            attrs = cap.attributes(model_version()) if cap.readable else {
-                semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
+            if cap.readable:
+                # the model name the call went to (the answer's, else the request's) names its policy
+                policy, version = served_policy(cap.model or getattr(self.span, "attributes", {}).get(
+                    semconv.GEN_AI_REQUEST_MODEL))
+                attrs = cap.attributes(version)
+                if policy is not None:
+                    attrs[semconv.POLICY_NAME] = policy
+            else:
+                attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
             if self.owned and cap.readable:
                 attrs.update(cap.genai_attributes())
                 out = self._output()

@@ -70,6 +70,11 @@ class AnthropicCapture:
     def temperature(self):
         return self.chat.temperature
 
+    @property
+    def model(self):
+        """The model vLLM's chat answer names (the request's model: with several policies, its name)."""
+        return self.chat.model
+
     def add(self, payload, *, hide: bool = False) -> None:
         """An answer of ``/v1/messages`` itself (a request sent as it is): nothing to read there."""
 

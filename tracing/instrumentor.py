@@ -11,8 +11,9 @@ span an instrumentation opened around the call, so the attributes land on it (:m
    which reject unknown fields, are never touched;
 2. the answer's prompt ids, completion ids (one list per choice, ``n > 1`` included) and logprobs
    are recorded as little-endian bytes (docs/architecture.md, "Attributes"), with the serving
-   policy version (``LIGHTSPAN_MODEL_VERSION``) and ``lightspan.capture.status`` (``ok``, or why
-   not, with ``lightspan.capture.reason``); the Responses API through ``enable_response_messages``
+   policy version (``LIGHTSPAN_MODEL_VERSION``; with several policies, ``LIGHTSPAN_POLICY_VERSIONS``
+   maps the call's model name to its policy and version: :func:`.calls.served_policy`) and
+   ``lightspan.capture.status`` (``ok``, or why not, with ``lightspan.capture.reason``); the Responses API through ``enable_response_messages``
    (:mod:`.capture_responses`); Anthropic Messages by making vLLM's own conversion to a chat
    completion here, where the ids can be asked for, and converting the answer back
    (:mod:`.anthropic_convert`): the ``anthropic`` client gets the message or events that

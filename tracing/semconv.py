@@ -51,7 +51,15 @@ COMPLETION_TOKEN_IDS = "lightspan.completion_token_ids"
 COMPLETION_LOGPROBS = "lightspan.completion_logprobs"
 """A sequence of float32 little-endian bytes values, one per choice: sampled-token logprobs."""
 MODEL_VERSION = "lightspan.model.version"
-"""The policy version that served the call (LLM span)."""
+"""The policy version that served the call (LLM span); with several policies, the version of
+:data:`POLICY_NAME`'s policy."""
+POLICY_NAME = "lightspan.policy.name"
+"""The policy that served the call (LLM span), when a data directory trains several: the model name
+the call used, which vLLM serves that policy's LoRA adapter under (lightspan/store/policies.py)."""
+POLICY_VERSIONS_ENV = "LIGHTSPAN_POLICY_VERSIONS"
+"""Environment variable the rollout runner gives an agent when several policies are served:
+``name=version,...``, each policy's served version by its model name (:func:`format_policy_versions`).
+A call to one of those model names records :data:`POLICY_NAME` and that :data:`MODEL_VERSION`."""
 CAPTURE_STATUS = "lightspan.capture.status"
 """``ok``, or why the call could not be captured (LLM span): ``no_token_ids``, ``no_logprobs`` (the
 ids are recorded, the logprobs are not: vLLM's Responses API), ``logprobs_mismatch``,
@@ -132,3 +140,20 @@ def decode_floats(data: bytes) -> list[float]:
     if not _LITTLE:
         a.byteswap()
     return a.tolist()
+
+
+# --- the served policies, as the runner hands them to an agent ----------------------------------
+
+def format_policy_versions(versions: dict[str, int]) -> str:
+    """``{"writer": 3, "checker": 1}`` -> ``"checker=1,writer=3"`` (policy names hold no ``=`` or ``,``)."""
+    return ",".join(f"{name}={int(version)}" for name, version in sorted(versions.items()))
+
+
+def parse_policy_versions(raw: str) -> dict[str, int]:
+    """The inverse of :func:`format_policy_versions`; malformed items are left out."""
+    out = {}
+    for item in raw.split(","):
+        name, sep, version = item.strip().partition("=")
+        if sep and name and version.strip().lstrip("-").isdigit():
+            out[name.strip()] = int(version)
+    return out

@@ -134,6 +134,7 @@ SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
        coalesce(advantage, 0) <> 0 AS nonzero
 FROM transitions
 WHERE coalesce(split, 'train') = 'train'
+  AND ($policy::VARCHAR IS NULL OR policy = $policy::VARCHAR)
   AND (created_unix_nano > $created OR (created_unix_nano = $created AND transition_id > $tid))
 QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
 """
@@ -141,14 +142,15 @@ _UPTO = "(created_unix_nano < $created OR (created_unix_nano = $created AND tran
 
 
 def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: int, cursor: Cursor, vocab_size: int,
-               max_len: int) -> Batch | None:
+               max_len: int, policy: str | None = None) -> Batch | None:
     """The next batch after ``cursor`` for a trainer at ``version``, or None if fewer than
     ``config.min_transitions`` are trainable. ``vocab_size`` and ``max_len`` are the model's:
-    a row with a token id outside the vocabulary or longer than the model's positions is malformed."""
+    a row with a token id outside the vocabulary or longer than the model's positions is malformed.
+    ``policy``: only that named policy's transitions (None: every transition, the unnamed policy's)."""
     con = store.connect(data_dir)
     try:
         con.execute(_NEW_SQL, {
-            "min_version": version - config.max_staleness, "vocab": vocab_size, "max_len": max_len,
+            "min_version": version - config.max_staleness, "vocab": vocab_size, "max_len": max_len, "policy": policy,
             "created": cursor.created_unix_nano, "tid": cursor.transition_id})
         con.execute("CREATE TEMP TABLE chosen AS SELECT created_unix_nano, transition_id FROM new "
                     "WHERE fresh AND wellformed AND nonzero ORDER BY 1, 2 LIMIT $n",

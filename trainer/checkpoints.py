@@ -68,9 +68,10 @@ def set_rng(rng: dict) -> None:
 
 
 def save(output_dir: Path, version: int, model, *, model_source: Path, state: dict, config,
-         model_state: dict | None = None) -> Path:
+         model_state: dict | None = None, adapter: str | None = None) -> Path:
     """Write output_dir/v{version:06d}/: a new directory, complete once it has its name.
-    ``model_state``: the state dict to save instead of ``model``'s own (under FSDP, the gathered one)."""
+    ``model_state``: the state dict to save instead of ``model``'s own (under FSDP, the gathered one);
+    ``adapter``: the one named LoRA adapter of a model that holds several (trainer/lora.py, 4.)."""
     final = output_dir / f"v{version:06d}"
     if final.exists():
         raise FileExistsError(f"{final} exists: every version gets a new directory")
@@ -78,7 +79,13 @@ def save(output_dir: Path, version: int, model, *, model_source: Path, state: di
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     untie(model)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+    if adapter is None:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+    else:       # peft writes a named adapter into a subdirectory of its name: move it up
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state, selected_adapters=[adapter])
+        for f in (tmp / adapter).iterdir():
+            os.replace(f, tmp / f.name)
+        (tmp / adapter).rmdir()
     for f in model_source.iterdir():
         if f.is_file() and not _MODEL_FILES.fullmatch(f.name) and f.name != CONFIG_FILE:
             shutil.copy2(f, tmp / f.name)
@@ -86,6 +93,17 @@ def save(output_dir: Path, version: int, model, *, model_source: Path, state: di
     (tmp / CONFIG_FILE).write_text(json.dumps(to_dict(config), indent=2) + "\n")
     os.replace(tmp, final)
     return final
+
+
+def load_model(path: Path):
+    """The model saved in ``path``, in float32 and untied (:func:`untie`)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (config.json missing): pass --model DIR")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    untie(model)
+    return model
 
 
 def prune(output_dir: Path, keep: int) -> None:

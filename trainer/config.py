@@ -7,9 +7,12 @@ command line) and written as ``trainer_config.json`` into every checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightspan.config import ConfigError, option, parse_duration
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.policies import POLICIES_ENV, TRAINER_FIELDS, PolicyConfig, override
+from lightspan.store.policies import load as load_policies
 
 SECTION = "trainer"
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
@@ -23,7 +26,14 @@ class TrainerConfig:
     data_dir: str = option(DEFAULT_DATA_DIR, "Data directory: transitions are read from it, "
                            "train_steps and policy.json are written to it.", env=DATA_DIR_ENV)
     model: str = option("", "Initial model directory (safetensors + tokenizer): policy version 0.")
-    output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints.")
+    output_dir: str = option("", "Checkpoint directory; empty means DATA_DIR/checkpoints (with policies, one "
+                             "subdirectory per policy).")
+    policies: str = option("", "A TOML file of [[policies]] (lightspan/store/policies.py): train each policy "
+                           "that has data as its own LoRA adapter over the one base model, with its own "
+                           "optimizer state, checkpoints (OUTPUT_DIR/<name>/), version and staleness bound, "
+                           "loaded into vLLM under its name (sync 'lora'). A policy's own fields override "
+                           "this section's (lora_r, learning_rate, max_staleness, ...). Empty: one policy, "
+                           "served_model_name.", env=POLICIES_ENV)
     # weight sync
     vllm_url: str = option("http://127.0.0.1:8000", "Base URL of the vLLM server to push weights to.")
     vllm_replicas: tuple[str, ...] = option(
@@ -142,7 +152,7 @@ class TrainerConfig:
             fail("is_floor", f"must be in [0, 1], got {self.is_floor}", "pass e.g. --is-floor 0.5, or 0 for none")
         if self.lora_r < 0:
             fail("lora_r", f"must be >= 0, got {self.lora_r}", "pass 0 (full fine-tuning) or a rank such as 16")
-        if self.sync == "lora" and not self.lora_r:
+        if self.sync == "lora" and not self.lora_r and not self.policies:
             fail("sync", "'lora' pushes a LoRA adapter, but lora_r is 0 (full fine-tuning)",
                  "pass --lora-r 16 (or another rank), or --sync reload")
         if self.lora_r and self.sync in ("reload", "nccl"):
@@ -160,6 +170,10 @@ class TrainerConfig:
             if not target.removeprefix("dns+").startswith(("http://", "https://")):
                 fail("vllm_replicas", f"{target!r} is not a base URL",
                      "give http://HOST:PORT entries, or dns+http://NAME:PORT for every address of NAME")
+        if self.vllm_replicas and self.policies:
+            # replicas.json (trainer/replicas.py) records one version per replica, not one per policy
+            fail("vllm_replicas", "several replicas are synced for one policy, not yet for several policies",
+                 "serve several policies from one vLLM (--vllm-url), or train one policy per replica set")
         if self.vllm_replicas and self.sync == "nccl":
             fail("vllm_replicas", "'nccl' joins one vLLM server's workers in one NCCL group",
                  "use --sync reload or lora with replicas, or one vllm_url with nccl")
@@ -186,3 +200,25 @@ class TrainerConfig:
                  "step could ever start", "raise batch_size or lower min_transitions")
         if not self.poll_interval_s > 0:
             fail("poll_interval_s", f"must be > 0, got {self.poll_interval_s}", "pass e.g. --poll-interval-s 1")
+        object.__setattr__(self, "_policies", self._policy_configs() if self.policies else ())
+
+    def _policy_configs(self) -> tuple:
+        """(policy, its own TrainerConfig) per policy of the policies file, each validated."""
+        if self.sync not in ("lora", "none"):
+            raise ConfigError(SECTION, "sync", f"'{self.sync}' pushes one full model, but several policies are "
+                              "LoRA adapters over one base", "pass --sync lora (or none), and a --lora-r")
+        out = []
+        base_dir = Path(self.output_dir) if self.output_dir else Path(self.data_dir) / "checkpoints"
+        for p in load_policies(self.policies):
+            if not (self.lora_r if p.lora_r is None else p.lora_r):
+                raise ConfigError("policies", f"{p.name}.lora_r", "is 0: several policies train LoRA adapters over "
+                                  "one shared base model", "give the policy a lora_r, or pass --lora-r 16")
+            # its own checkpoints and served name, and its fields over this section's
+            out.append((p, override(self, p, TRAINER_FIELDS, policies="", served_model_name=p.name,
+                                    output_dir=str(base_dir / p.name))))
+        return tuple(out)
+
+    @property
+    def policy_configs(self) -> tuple[tuple[PolicyConfig, "TrainerConfig"], ...]:
+        """(policy, its config) for each policy of the ``policies`` file; empty without one."""
+        return self._policies

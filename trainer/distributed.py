@@ -10,7 +10,8 @@ choices 5 and 6). Here:
 - FSDP: :func:`fsdp_on_cpu` (FSDP2 over gloo on a machine without CUDA),
   :func:`gather_full_state` and :func:`load_sharded_optimizer` (checkpoints in one layout whatever
   the launch);
-- the process: :func:`distributed` and :func:`leave` (how a rank exits).
+- the process: :func:`distributed`, :func:`leave` (how a rank exits) and :func:`launch_problem`
+  (launches the trainer refuses).
 
 On one process every helper is a no-op or a plain call.
 """
@@ -54,6 +55,18 @@ def leave(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def launch_problem(accelerator) -> str | None:
+    """Why this launch cannot train, or None."""
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        # save() writes rank 0's model and optimizer: ZeRO's partitions are gathered only for FSDP
+        return ("DEEPSPEED is not supported yet: checkpoints do not gather ZeRO-partitioned weights and "
+                "optimizer state; launch with deploy/accelerate/fsdp.yaml (sharded) or ddp.yaml")
+    if accelerator.distributed_type.value == "FSDP" and accelerator.state.fsdp_plugin.fsdp_version != 2:
+        return (f"FSDP version {accelerator.state.fsdp_plugin.fsdp_version} is not supported: set "
+                "fsdp_version: 2 (deploy/accelerate/fsdp.yaml)")
+    return None
 
 
 def fsdp_on_cpu(accelerator) -> None:

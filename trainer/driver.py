@@ -3,7 +3,8 @@
 :func:`run` builds the Trainer, refuses launches it cannot train (DeepSpeed, FSDP1), loads the
 checkpoint or the model, publishes the starting policy, serves ``/metrics`` and then steps once,
 continuously (polling when idle) or on a schedule (``every``), until ``max_steps`` or SIGINT /
-SIGTERM (the current step finishes first; a second signal stops at once). A failed weight sync
+SIGTERM (the current step finishes first; a second signal stops at once). With policies
+(``--policies``) the Trainer is trainer/policies.py's: each round steps every policy that has data. A failed weight sync
 ends the run with exit code 1 (the loop's module docstring, choice 4). Under ``accelerate launch``
 every rank runs this; ranks stop together, at rank 0's signal, and exit through
 ``distributed.leave``.
@@ -24,6 +25,7 @@ from lightspan.trainer import distributed as dist
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.metrics import start_server
+from lightspan.trainer.policies import PolicyTrainers
 from lightspan.trainer.sync import SyncError
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,8 @@ def run(config: TrainerConfig) -> int:
     (a process of a multi-process run exits with it instead: ``distributed.leave``)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    trainer = Trainer(config)
+    # several policies: one trainer per policy over one base model (trainer/policies.py)
+    trainer = PolicyTrainers(config) if config.policy_configs else Trainer(config)
     if not dist.distributed():
         return _run(trainer, config)
     code = 1
@@ -48,7 +51,7 @@ def run(config: TrainerConfig) -> int:
     dist.leave(code)
 
 
-def _run(trainer: Trainer, config: TrainerConfig) -> int:
+def _run(trainer: Trainer | PolicyTrainers, config: TrainerConfig) -> int:
     """Refuse what is not supported, load the checkpoint or the model, then train."""
     problem = trainer.launch_problem()
     if problem:
@@ -63,7 +66,7 @@ def _run(trainer: Trainer, config: TrainerConfig) -> int:
     return _train(trainer, config)
 
 
-def _train(trainer: Trainer, config: TrainerConfig) -> int:
+def _train(trainer: Trainer | PolicyTrainers, config: TrainerConfig) -> int:
     """The run itself: publish the starting policy, then train once, continuously or on a schedule."""
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
@@ -74,7 +77,7 @@ def _train(trainer: Trainer, config: TrainerConfig) -> int:
         server = start_server(trainer.metrics, config.metrics_host, config.metrics_port) \
             if trainer.is_main else None
         if config.mode == "once":
-            if trainer.train_once() is None:
+            if not trainer.train_round():
                 log.info("nothing to train: fewer than %d new trainable transitions in %s",
                          config.min_transitions, trainer.data_dir)
             trainer.wait_for_everyone()
@@ -84,21 +87,19 @@ def _train(trainer: Trainer, config: TrainerConfig) -> int:
         with progress(f"training ({config.mode})", config.max_steps or None, unit="steps",
                       show=trainer.is_main) as bar:
             while not trainer.from_main(stop.is_set()):     # ranks stop together, at rank 0's signal
-                row = trainer.train_once()
-                steps += row is not None
-                if row is not None:
+                rows = trainer.train_round()
+                steps += bool(rows)     # with several policies a round is a step (trainer/policies.py, 4.)
+                if rows:
                     bar.advance()
-                    reward = row.get("reward_mean")
-                    bar.update(f"version {row['policy_version']}"
-                               + ("" if reward is None else f", reward {reward:.3f}"))
+                    bar.update(", ".join(_describe(row) for row in rows))
                 if config.max_steps and steps >= config.max_steps:
                     log.info("stopping after %d steps (max_steps)", steps)
                     break
                 if config.mode == "continuous":
-                    if row is None:              # more data may be waiting: poll again only when idle
+                    if not rows:                 # more data may be waiting: poll again only when idle
                         stop.wait(period)
                 else:
-                    if row is None:
+                    if not rows:
                         log.info("nothing to train this round")
                     deadline = max(deadline + period, time.monotonic())   # a step past its slot skips ticks
                     stop.wait(deadline - time.monotonic())
@@ -111,6 +112,12 @@ def _train(trainer: Trainer, config: TrainerConfig) -> int:
         _restore_handlers(previous)
         if server is not None:
             server.stop()
+
+
+def _describe(row: dict) -> str:
+    reward = row.get("reward_mean")
+    return (f"{row['policy'] + ' ' if row.get('policy') else ''}version {row['policy_version']}"
+            + ("" if reward is None else f", reward {reward:.3f}"))
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict:

@@ -79,10 +79,13 @@ class Trainer:
     :meth:`from_main`, :attr:`is_main` and :meth:`wait_for_everyone`.
     """
 
-    def __init__(self, config: TrainerConfig, *, sync: WeightSync | None = None):
+    def __init__(self, config: TrainerConfig, *, sync: WeightSync | None = None, policy: str | None = None,
+                 accelerator=None):
         from accelerate import Accelerator
 
         self.config = config
+        # a named policy (trainer/policies.py): its adapter, transitions, checkpoints and policy.json entry
+        self.policy = policy
         self.data_dir = store.data_dir(config.data_dir)
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
         def backend(url: str) -> WeightSync:
@@ -95,7 +98,7 @@ class Trainer:
         self.sync = sync or (ReplicaSync(config.vllm_replicas, backend, self.data_dir) if config.vllm_replicas
                              else backend(config.vllm_url))
         self.metrics = TrainerMetrics()           # served on /metrics by driver.run()
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         dist.fsdp_on_cpu(self.accelerator)
         self.sharded = self.accelerator.distributed_type.value == "FSDP"     # module docstring, 6
         if self.sharded and config.sync == "nccl":
@@ -133,22 +136,16 @@ class Trainer:
 
     def launch_problem(self) -> str | None:
         """Why this launch cannot train, or None."""
-        if self.accelerator.distributed_type.value == "DEEPSPEED":
-            # save() writes rank 0's model and optimizer: ZeRO's partitions are gathered only for FSDP
-            return ("DEEPSPEED is not supported yet: checkpoints do not gather ZeRO-partitioned weights and "
-                    "optimizer state; launch with deploy/accelerate/fsdp.yaml (sharded) or ddp.yaml")
-        if self.sharded and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
-            return (f"FSDP version {self.accelerator.state.fsdp_plugin.fsdp_version} is not supported: set "
-                    "fsdp_version: 2 (deploy/accelerate/fsdp.yaml)")
-        return None
+        return dist.launch_problem(self.accelerator)
 
     # ---- state ------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints in output_dir, oldest first."""
         return ckpt.checkpoints(self.output_dir)
 
-    def load_or_init(self) -> None:
-        """Resume from the newest checkpoint in output_dir exactly, else start at version 0."""
+    def load_or_init(self, base=None) -> None:
+        """Resume from the newest checkpoint in output_dir exactly, else start at version 0.
+        ``base``: another policy's peft model, to add this policy's adapter to (trainer/policies.py)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
@@ -160,14 +157,13 @@ class Trainer:
                               f"lora_r is {cfg.lora_r}",
                               "resume with the setting the run started with, or start a new run in another "
                               "output_dir (--output-dir) from --model")
-        base = Path(cfg.model) if cfg.lora_r else source      # a LoRA checkpoint holds the adapter only
-        if not (base / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {base} (config.json missing): pass --model DIR")
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        ckpt.untie(model)
+        # a LoRA checkpoint holds the adapter only: the base is config.model
+        model = base if base is not None else ckpt.load_model(Path(cfg.model) if cfg.lora_r else source)
         if cfg.lora_r:
             model = with_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                              targets=cfg.lora_target_modules, seed=cfg.seed, adapter_dir=source if found else None)
+                              targets=cfg.lora_target_modules, seed=cfg.seed, adapter_dir=source if found else None,
+                              adapter_name=self.policy or "default")
+        self._activate(model)
         # fused: one kernel over all parameters (on CPU 6x faster than the per-tensor loop over
         # SmolLM2's 163M parameters, bench/README.md), the same update up to float rounding; not
         # for FSDP's sharded parameters (DTensor), where torch 2.13's CPU kernel aborts
@@ -213,6 +209,11 @@ class Trainer:
                 ref_model = prepare_fsdp(ref_model, self.accelerator)
             self.ref_model = ref_model
 
+    def _activate(self, model=None) -> None:
+        """Make this policy's adapter the active and only trainable one (trainer/lora.py, 4.)."""
+        if self.policy is not None:
+            (model if model is not None else self.accelerator.unwrap_model(self.model)).set_adapter(self.policy)
+
     def _served_dir(self) -> Path | None:
         """What vLLM most likely serves: the published checkpoint, else (at version 0) the model."""
         published = store.policy.read(self.data_dir)
@@ -252,7 +253,7 @@ class Trainer:
         """The next batch after the cursor, or None if fewer than min_transitions are trainable."""
         model_config = self.accelerator.unwrap_model(self.model).config
         return next_batch(self.data_dir, self.config, version=self.version, cursor=self.cursor,
-                          vocab_size=model_config.vocab_size,
+                          policy=self.policy, vocab_size=model_config.vocab_size,
                           max_len=getattr(model_config, "max_position_embeddings", None) or 2**31 - 1)
 
     # ---- optimisation -----------------------------------------------------------------------
@@ -260,6 +261,7 @@ class Trainer:
         """One optimizer step per pass over ``batch`` (num_iterations passes); version + 1."""
         cfg, model, device = self.config, self.model, self.accelerator.device
         t0 = time.monotonic()
+        self._activate()
         model.train()
         pad_id = self._pad_id()
         micro, live = micro_batches(batch.rows, rank=self.accelerator.process_index,   # this rank's share
@@ -342,7 +344,7 @@ class Trainer:
                                   self.optimizer.state_dict() if optimizer_state is None else optimizer_state)
         self.model_source = ckpt.save(self.output_dir, version, self.accelerator.unwrap_model(self.model),
                                       model_source=self.model_source, state=state, config=self.config,
-                                      model_state=model_state)
+                                      model_state=model_state, adapter=self.policy)
         return self.model_source
 
     def prune(self) -> None:
@@ -353,6 +355,7 @@ class Trainer:
     def verify_sequence(self) -> tuple[list[int], list[float]]:
         """A fixed short token sequence and the trainer's logprobs of its tokens 1 .. n-1."""
         model = self.accelerator.unwrap_model(self.model)
+        self._activate(model)
         vocab = model.config.vocab_size
         ids = self.tokenizer(VERIFY_TEXT)["input_ids"][:32] if self.tokenizer is not None else []
         if len(ids) < 2 or max(ids) >= vocab:
@@ -383,14 +386,15 @@ class Trainer:
                     else verify(self.config.vllm_url, self.config.served_model_name, ids, expected))
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
-        store.policy.write(self.data_dir, self.version, checkpoint)
+        store.policy.write(self.data_dir, self.version, checkpoint, name=self.policy)
         self.prune()
         if metrics is None:
             self.metrics.set_version(self.version)
             return {}
         floor = self.config.entropy_floor or None
         row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
-               "entropy_floor": floor, "entropy_below_floor": int(entropy_warning(metrics.get("entropy"), floor) is not None),
+               "policy": self.policy, "entropy_floor": floor,
+               "entropy_below_floor": int(entropy_warning(metrics.get("entropy"), floor) is not None),
                "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names
         store.write_table(self.data_dir, "train_steps",
@@ -403,7 +407,7 @@ class Trainer:
         """After a crash between save and publish, publish the checkpoint the trainer resumed from;
         with sync 'lora', publish the current adapter on every start. ``expected``: as for publish;
         ``gathered``: as for save (under FSDP, for the version-0 adapter)."""
-        published = store.policy.read(self.data_dir)
+        published = store.policy.read(self.data_dir, self.policy)
         self.metrics.set_version(self.version)
         if self.config.sync == "lora":
             # vLLM forgets adapters loaded at run time when it restarts, and starts with none under
@@ -413,7 +417,7 @@ class Trainer:
         if published is not None and published.version == self.version:
             return
         if self.version == 0:                 # vLLM was started on the initial model: nothing to push
-            store.policy.write(self.data_dir, 0, self.config.model)
+            store.policy.write(self.data_dir, 0, self.config.model, name=self.policy)
         else:
             log.info("policy.json says %s, the trainer is at version %d: publishing it",
                      published and published.version, self.version)
@@ -427,11 +431,17 @@ class Trainer:
         metrics = self.step(batch)
         gathered, expected = self._gather_full_state(), self._expected_logprobs()   # collectives under FSDP
         row = self._on_main(lambda: self.publish(self.save(self.version, gathered), metrics, expected))
-        log.info("version %d: %d transitions, %d tokens, loss %.4f, reward %s, clip %.3f, IS %.3f, "
+        log.info("%sversion %d: %d transitions, %d tokens, loss %.4f, reward %s, clip %.3f, IS %.3f, "
                  "entropy %.3f, skipped %d stale / %d zero-advantage / %d malformed, %.2f s + sync %.2f s",
-                 self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
+                 f"{self.policy}: " if self.policy else "", self.version, row["num_transitions"], row["num_tokens"], row["loss"], row["reward_mean"],
                  row["clip_ratio"], row["is_ratio_mean"], row["entropy"], row["skipped_stale"],
                  row["zero_advantage"], row["skipped_malformed"], row["step_seconds"], row["sync_seconds"])
         if (warning := entropy_warning(row["entropy"], row["entropy_floor"])) is not None:
-            log.warning("version %d: %s", self.version, warning)
+            log.warning("%sversion %d: %s", f"{self.policy}: " if self.policy else "", self.version, warning)
         return row
+
+    def train_round(self) -> list[dict]:
+        """What the driver calls: :meth:`train_once`'s row, if any, as a list (a round of several
+        policies, trainer/policies.py, has one per policy that trained)."""
+        row = self.train_once()
+        return [] if row is None else [row]

@@ -12,6 +12,10 @@ What this means for the rest of the trainer:
    (``disable_adapter()``): no second copy of the weights.
 3. The optimizer holds the trainable (adapter) parameters only, in ``named_parameters`` order,
    so a resumed optimizer state lines up with the same parameters.
+4. Several policies (trainer/policies.py) are several named adapters on one peft model over the
+   one base: ``set_adapter(name)`` makes one the active and only trainable one (peft sets
+   ``requires_grad`` for it alone), so each policy's forward, optimizer and checkpoint see only
+   its own adapter, and the base is held once.
 """
 
 from __future__ import annotations
@@ -32,17 +36,25 @@ def target_modules(spec: str) -> list[str] | str:
 
 
 def with_lora(model, *, r: int, alpha: float, dropout: float, targets: str, seed: int,
-              adapter_dir: str | Path | None = None):
+              adapter_dir: str | Path | None = None, adapter_name: str = "default"):
     """``model`` wrapped in a trainable peft LoRA model: a new adapter (A initialised from
-    ``seed``, B zero), or the one saved in ``adapter_dir`` (resume)."""
+    ``seed``, B zero), or the one saved in ``adapter_dir`` (resume), named ``adapter_name``.
+    ``model`` may be a peft model already, with other policies' adapters (4.): the adapter is added."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    torch.manual_seed(seed)          # A's initialisation: the same seed gives the same run
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules(targets),
                         bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    if isinstance(model, PeftModel):
+        if adapter_dir is not None:
+            model.load_adapter(str(adapter_dir), adapter_name=adapter_name, is_trainable=True)
+        else:
+            torch.manual_seed(seed)
+            model.add_adapter(adapter_name, config)
+        return model
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=adapter_name, is_trainable=True)
+    torch.manual_seed(seed)          # A's initialisation: the same seed gives the same run
+    return get_peft_model(model, config, adapter_name=adapter_name)
 
 
 def is_adapter(path: str | Path) -> bool:

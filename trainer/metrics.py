@@ -1,6 +1,7 @@
 """The trainer's Prometheus metrics: ``GET /metrics`` in the Prometheus text format (0.0.4).
 
-A hand-written exposition (a dozen metrics, no labels) rather than a dependency: the trainer
+A hand-written exposition (a dozen metrics; with several policies each series is labelled
+``policy``, :class:`PolicyMetrics`) rather than a dependency: the trainer
 updates :class:`TrainerMetrics` after each step and each weight sync, and
 :class:`MetricsServer` serves it from a daemon thread. The names are a contract with the
 Grafana dashboards (dashboards/grafana/); each is explained in its HELP line, which is its
@@ -114,21 +115,46 @@ class TrainerMetrics:
 
     def render(self) -> str:
         """The exposition page."""
-        out: list[str] = []
-        with self._lock:
-            for name, (help_, _) in GAUGES.items():
-                out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} gauge"]
-                if name in self.gauges:
-                    out.append(f"{PREFIX}{name} {_number(self.gauges[name])}")
-            for name, (help_, _) in COUNTERS.items():
-                out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter",
-                        f"{PREFIX}{name} {_number(self.counters[name])}"]
-            h = PREFIX + HISTOGRAM
-            out += [f"# HELP {h} {HISTOGRAM_HELP}", f"# TYPE {h} histogram"]
-            for bound, count in zip(BUCKETS, self.bucket_counts):     # counts are cumulative already
-                out.append(f'{h}_bucket{{le="{_number(bound)}"}} {count}')
-            out += [f"{h}_sum {_number(self.sync_sum)}", f"{h}_count {self.sync_count}"]
-        return "\n".join(out) + "\n"
+        return render([("", self)])
+
+
+class PolicyMetrics:
+    """Several policies' :class:`TrainerMetrics` on one page (trainer/policies.py): every series
+    carries the label ``policy="<name>"``."""
+
+    def __init__(self, by_policy: dict[str, TrainerMetrics]):
+        self.by_policy = by_policy
+
+    def render(self) -> str:
+        return render([(f'policy="{name}"', m) for name, m in self.by_policy.items()])
+
+
+def render(parts: list[tuple[str, TrainerMetrics]]) -> str:
+    """The exposition page of ``parts``, (label set, metrics) pairs: one HELP and TYPE per metric,
+    one sample per part ('' for no labels)."""
+    def sample(name: str, labels: str, value) -> str:
+        return f"{name}{{{labels}}} {value}" if labels else f"{name} {value}"
+
+    out: list[str] = []
+    for _, m in parts:
+        m._lock.acquire()
+    try:
+        for name, (help_, _) in GAUGES.items():
+            out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} gauge"]
+            out += [sample(PREFIX + name, labels, _number(m.gauges[name])) for labels, m in parts if name in m.gauges]
+        for name, (help_, _) in COUNTERS.items():
+            out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter"]
+            out += [sample(PREFIX + name, labels, _number(m.counters[name])) for labels, m in parts]
+        h = PREFIX + HISTOGRAM
+        out += [f"# HELP {h} {HISTOGRAM_HELP}", f"# TYPE {h} histogram"]
+        for labels, m in parts:
+            for bound, count in zip(BUCKETS, m.bucket_counts):     # counts are cumulative already
+                out.append(sample(f"{h}_bucket", ",".join(filter(None, [f'le="{_number(bound)}"', labels])), count))
+            out += [sample(f"{h}_sum", labels, _number(m.sync_sum)), sample(f"{h}_count", labels, m.sync_count)]
+    finally:
+        for _, m in parts:
+            m._lock.release()
+    return "\n".join(out) + "\n"
 
 
 class MetricsServer:

@@ -9,11 +9,12 @@ export async function trainingPage(params) {
   const doc = await api(`/api/ui/training${run ? `?run=${encodeURIComponent(run)}` : ""}`);
   const steps = doc.steps;
   const by = (key) => steps.map((s) => [s.step, s[key]]);
-  const versions = (split) => doc.reward_by_version.filter((r) => r.split === split && r.policy_version !== null)
+  const versions = (split) => doc.reward_by_version.filter((r) => r.split === split && r.policy_version !== null
+      && r.policy === doc.policy)
     .map((r) => [r.policy_version, r.reward_mean]);
   const runPicker = el("select", {id: "run", onchange: (e) => { location.hash = `#/training?run=${encodeURIComponent(e.target.value)}`; }},
     doc.runs.map((r) => el("option", {value: r.run_id, selected: r.run_id === doc.run_id ? "" : null,
-      text: `${r.run_id.slice(0, 12)} · ${r.steps} steps · v${r.policy_version} · ${time(r.last_time_unix_nano)}`})));
+      text: `${r.policy ? `${r.policy} · ` : ""}${r.run_id.slice(0, 12)} · ${r.steps} steps · v${r.policy_version} · ${time(r.last_time_unix_nano)}`})));
   const last = steps[steps.length - 1];
   const floor = steps.map((s) => [s.step, s.entropy_floor]);
   const sources = [...new Set(doc.reward_by_source.map((r) => r.source))].sort();
@@ -25,11 +26,12 @@ export async function trainingPage(params) {
       : el("p", {class: "muted", id: "no-runs", text: "No training steps yet (lightspan train writes them)."}),
     entropyWarning(doc),
     el("div", {class: "summary"},
+      ...(doc.policy ? [stat("policy", doc.policy, "policy-name")] : []),
       stat("steps", fmt(steps.length), "step-count"), stat("policy version", fmt(last && last.policy_version), "policy-version"),
       stat("last train reward", last ? fmt(last.reward_mean, 3) : "—", "last-reward"),
       stat("last loss", last ? fmt(last.loss, 4) : "—")),
     el("div", {class: "charts"},
-      lineChart("Reward per policy version (rollouts' final reward)", [
+      lineChart(`Reward per ${doc.policy ? `${doc.policy} ` : ""}policy version (rollouts' final reward)`, [
         {name: "train", points: versions("train")}, {name: "val", points: versions("val")}], {xLabel: "policy version", id: "chart-reward-version"}),
       lineChart("Reward drift: each source's mean rollout reward per policy version", bySource,
         {xLabel: "policy version", id: "chart-reward-source"}),

@@ -19,8 +19,16 @@ node spans follow LangChain's run tree), and the nearest agent span above both L
 parent graph's: the two agents could not be told apart.
 
 The checker's query replaces the writer's only when the writer's failed (an error, or no rows)
-and the checker's runs. Reward: Spider's execution match of the final query (1 or 0), the same
-for both agents' calls; only the writer's calls are trained.
+and the checker's runs. Reward: Spider's execution match of the final query (1 or 0), emitted last.
+Before it, right after the checker's turn, the checker's own reward ``checker`` (1 when its action
+was right: OK on a right query, or a fixed query that is right), which a policy that credits
+``discounted`` (examples/multi_agent/policies.toml) adds to the final one; ``identical`` credit
+(the writer's) takes the final reward alone.
+
+Each agent calls its own model name: ``WRITER_MODEL`` and ``CHECKER_MODEL`` (default ``AGENT_MODEL``,
+else ``policy``). With one policy both call it; with two (policies.toml) each calls its policy's
+adapter, ``writer`` and ``checker``, which vLLM serves side by side. The last line of its output
+is JSON with the queries, ``writer_correct``, ``checker_right`` and the reward.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class State(TypedDict, total=False):
     sql: str
     result: str
     checked: str
+    fixed_sql: str
     final_sql: str
 
 
@@ -94,7 +103,7 @@ def checker_agent(llm: ChatOpenAI, db: Path):
         fixed = extract_sql(reply)
         if run_sql(db, state["sql"])[0] in (None, []) and fixed and run_sql(db, fixed)[0] is not None:
             final = fixed  # the writer's query failed and the checker's runs
-        return {"checked": reply, "final_sql": final}
+        return {"checked": reply, "fixed_sql": fixed or "", "final_sql": final}
 
     graph = StateGraph(State)
     graph.add_node("check", check)
@@ -103,24 +112,35 @@ def checker_agent(llm: ChatOpenAI, db: Path):
     return graph.compile(name="sql_checker")
 
 
-def run_team(llm: ChatOpenAI, db: Path, question: str, shots: int) -> State:
+def run_team(writer: ChatOpenAI, checker: ChatOpenAI, db: Path, question: str, shots: int) -> State:
     """The workflow: the writer, then the checker on the writer's output."""
-    state = writer_agent(llm, db).invoke({"question": question, "shots": shots})
-    return checker_agent(llm, db).invoke(state)
+    state = writer_agent(writer, db).invoke({"question": question, "shots": shots})
+    return checker_agent(checker, db).invoke(state)
+
+
+def correct(db: Path, sql: str | None, gold: list, ordered: bool) -> bool:
+    rows, _ = run_sql(db, sql)
+    return rows is not None and same_result(rows, gold, ordered)
 
 
 def main() -> None:
     task = json.loads(os.environ["LIGHTSPAN_TASK"])
     db = ensure_db(HERE.parent / "sql_agent" / "data" / task.get("db", "concert_singer.sqlite"))
-    llm = ChatOpenAI(model=os.environ.get("AGENT_MODEL", "policy"),  # OPENAI_BASE_URL, OPENAI_API_KEY from env
-                     temperature=float(task.get("temperature", 0.7)), max_tokens=int(task.get("max_tokens", 48)))
-    state = run_team(llm, db, task["question"], int(task.get("shots", 2)))
-    rows, _ = run_sql(db, state["final_sql"])
-    gold = execute(db, task["gold"])
-    reward = float(rows is not None and same_result(rows, gold, bool(task.get("ordered"))))
-    emit_reward(reward)
+    default = os.environ.get("AGENT_MODEL", "policy")
+    llms = [ChatOpenAI(model=os.environ.get(var, default),  # OPENAI_BASE_URL, OPENAI_API_KEY from env
+                       temperature=float(task.get("temperature", 0.7)), max_tokens=int(task.get("max_tokens", 48)))
+            for var in ("WRITER_MODEL", "CHECKER_MODEL")]
+    state = run_team(*llms, db, task["question"], int(task.get("shots", 2)))
+    gold, ordered = execute(db, task["gold"]), bool(task.get("ordered"))
+    writer_correct = correct(db, state["sql"], gold, ordered)
+    # the checker was right if its fix is right, or if it let a right query pass
+    checker_right = correct(db, state["fixed_sql"], gold, ordered) if state["fixed_sql"] else writer_correct
+    emit_reward(float(checker_right), name="checker")
+    reward = float(correct(db, state["final_sql"], gold, ordered))
+    emit_reward(reward)                # last: the rollout's final reward
     print(json.dumps({"task": task["id"], "question": task["question"], "writer_sql": state["sql"],
-                      "checker": state["checked"], "final_sql": state["final_sql"], "reward": reward}))
+                      "checker": state["checked"], "final_sql": state["final_sql"], "writer_correct": writer_correct,
+                      "checker_right": checker_right, "reward": reward}))
 
 
 if __name__ == "__main__":

@@ -107,3 +107,19 @@ def test_experiment_plot_is_a_small_png(tmp_path):
                        {"step": 8, "reward_mean": 0.5, "rollouts": 32, "policy_version": 7}]}
     png = plot(results, tmp_path / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 200_000
+
+
+def test_the_two_policy_example_gives_each_agent_its_policy_and_scores_each_agent(tmp_path):
+    from lightspan.store.policies import load as load_policies, owner
+
+    policies = load_policies(EXAMPLES / "multi_agent" / "policies.toml")
+    assert [p.name for p in policies] == ["writer", "checker"]
+    assert owner(policies, "sql_writer").name == "writer" and owner(policies, "sql_checker").credit == "discounted"
+    assert owner(policies, "multi_agent") is None
+    two = load(EXAMPLES / "multi_agent" / "two_policies.py")
+    for i, (writer, checker, reward) in enumerate([(True, True, 1.0), (False, True, 1.0), (False, False, 0.0),
+                                                    (True, False, 1.0)]):
+        (tmp_path / f"r{i}.log").write_text("a log line\n" + json.dumps(
+            {"writer_correct": writer, "checker_right": checker, "reward": reward}) + "\n")
+    assert two.per_agent(two.outputs(tmp_path)) == {"rollouts": 4, "writer_correct": 0.5, "checker_right": 0.5,
+                                                    "workflow_correct": 0.75}

@@ -185,7 +185,7 @@ def test_drops_are_counted_by_reason(tmp_path):
     assert {k.rsplit("/", 1)[1]: v for k, v in m.items() if "dropped_rollouts" in k} == {
         "no_token_ids": 1, "no_reward": 1, "failed": 2, "timeout": 1, "incomplete": 1,
         "small_group": 1, "agent_mismatch": 0, "split": 0, "duplicate": 0, "time_window": 0,
-        "model_version": 0, "truncated": 0}
+        "model_version": 0, "truncated": 0, "other_policy": 0}
 
 
 def test_rollout_without_runner_completes_after_grace(tmp_path):

@@ -111,6 +111,11 @@ def test_policy_json_lives_in_the_bucket(bucket, tmp_path):
     assert (published.version, published.path) == (3, str(tmp_path.resolve()))
     assert store.policy.path(remote) == f"{remote}/policy.json"
     assert json.loads(objects.read_bytes(f"{remote}/policy.json"))["version"] == 3
+    # several policies: each named entry is published beside the others', in the one object
+    store.policy.write(remote, 2, tmp_path / "w2", name="writer")
+    store.policy.write(remote, 5, tmp_path / "c5", name="checker")
+    assert store.policy.served_versions(remote) == {"writer": 2, "checker": 5}
+    assert store.policy.read(remote, "writer").path == str((tmp_path / "w2").resolve())
 
 
 def test_a_bucket_location_never_falls_back_to_local_disk(s3_server, tmp_path, monkeypatch):

@@ -393,3 +393,36 @@ def test_behind_a_gateway_a_responses_call_sends_its_span(monkeypatch):
     (span,) = [s for s in exporter.get_finished_spans() if s.instrumentation_scope.name == "lightspan.instrumentor"]
     assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")
     assert semconv.CAPTURE_STATUS not in span.attributes
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+def test_every_protocol_records_the_policy_that_served_the_call(captured, monkeypatch, stream):
+    """Several policies served (LIGHTSPAN_POLICY_VERSIONS, as the runner sets it): a call records the
+    policy its model name is and that policy's version, whichever protocol made it; a call to another
+    model (the base) records neither."""
+    exporter, recorder = captured
+    monkeypatch.setenv(semconv.POLICY_VERSIONS_ENV, "policy=3,checker=1")
+    monkeypatch.setenv("LIGHTSPAN_MODEL_VERSION", "9")    # a single policy's version: not this call's
+    chat = dict(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=stream)
+    out = _openai(recorder).chat.completions.create(**chat)
+    if stream:
+        list(out)
+    responses = dict(model="policy", input="Say hi.", max_output_tokens=4)
+    if stream:
+        list(_openai(recorder).responses.create(**responses, stream=True))
+        list(_anthropic(recorder).messages.create(model="policy", max_tokens=4, stream=True,
+                                                  messages=[{"role": "user", "content": "hi"}]))
+    else:
+        _openai(recorder).responses.create(**responses)
+        _anthropic(recorder).messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    spans = _calls(exporter)
+    assert [s.instrumentation_scope.name == "lightspan.instrumentor" for s in spans][1:] == [True, True]
+    for span in spans:
+        assert span.attributes[semconv.CAPTURE_STATUS] in ("ok", "no_logprobs"), span.attributes
+        assert (span.attributes[semconv.POLICY_NAME], span.attributes[semconv.MODEL_VERSION]) == ("policy", 3)
+    assert len(spans) == 3
+    exporter.clear()
+    monkeypatch.setenv(semconv.POLICY_VERSIONS_ENV, "writer=3,checker=1")    # "policy" is none of them
+    _anthropic(recorder).messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    (span,) = _calls(exporter)
+    assert semconv.POLICY_NAME not in span.attributes and span.attributes[semconv.MODEL_VERSION] == 9
