@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from lightspan import store
 from lightspan.rollout.gateway import Gateway, GatewayConfig
+from lightspan.rollout.replicas import rendezvous
 from lightspan.store import replicas as rotation
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
@@ -90,11 +91,18 @@ def test_two_replicas_are_synced_verified_and_a_rollout_stays_on_one(vllm_server
         url = gateway.start()
         try:
             where: dict[str, set[int]] = {}
-            for rollout in range(8):
+            # rollout ids whose hashes fall on both live replicas (the ports, and so the hashes, change
+            # from run to run: 8 fixed ids would all land on one replica in about 1 run in 200)
+            live = gateway.replicas.candidates()                  # the dead one is out of rotation
+            assert len(live) == 2, live
+            ids = [f"rollout-{i}" for i in range(64)]
+            chosen = [r for r in ids if rendezvous(r, live) == live[0]][:4] + \
+                     [r for r in ids if rendezvous(r, live) == live[1]][:4]
+            for rollout in chosen:
                 for turn in range(2):
                     counts = [served_requests(log) for log in logs]
                     response = requests.post(f"{url}/v1/completions", timeout=60,
-                                             headers={"X-Lightspan-Rollout-Id": f"rollout-{rollout}"},
+                                             headers={"X-Lightspan-Rollout-Id": rollout},
                                              json={"model": vllm_server.model_name, "prompt": [60, 61, 62 + turn],
                                                    "max_tokens": 2, "temperature": 0})
                     assert response.status_code == 200, response.text
@@ -103,7 +111,7 @@ def test_two_replicas_are_synced_verified_and_a_rollout_stays_on_one(vllm_server
                                      and sum(now) > sum(counts) and now, timeout=30, what="vLLM's request count")
                     grew = [i for i, u in enumerate(replicas) if after[i] > counts[i]]
                     assert len(grew) == 1 and sum(after) == sum(counts) + 1
-                    where.setdefault(f"rollout-{rollout}", set()).add(grew[0])
+                    where.setdefault(rollout, set()).add(grew[0])
             assert all(len(r) == 1 for r in where.values())                  # one rollout, one replica
             assert {i for r in where.values() for i in r} == {0, 1}          # rollouts on both
         finally:

@@ -363,8 +363,11 @@ def test_agent_lightnings_agents_get_the_ids_they_read(captured, monkeypatch):
     agl = client.completions.create(model="policy", prompt=prompt, max_tokens=4)
     chat = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert plain.choices[0].model_extra.get("token_ids") is None
-    assert len(agl.choices[0].model_extra["token_ids"]) == 4 and agl.choices[0].logprobs is not None
-    assert len(chat.choices[0].model_extra["token_ids"]) == 4 and chat.model_extra["prompt_token_ids"]
+    # (as many ids as tokens generated: the served weights, which other tests change, may end early)
+    assert len(agl.choices[0].model_extra["token_ids"]) == agl.usage.completion_tokens >= 1
+    assert agl.choices[0].logprobs is not None
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens >= 1
+    assert chat.model_extra["prompt_token_ids"]
     assert [s.attributes[semconv.CAPTURE_STATUS] for s in _calls(exporter)] == ["ok", "ok", "ok"]
 
 
