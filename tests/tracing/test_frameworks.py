@@ -127,18 +127,6 @@ def collector(tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def recorder(vllm_server):
-    server = _Recorder(vllm_server.url)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 # (name, agent script, module it needs, LLM calls per rollout, instrumentations switched off)
 FRAMEWORKS = [
     ("openai_sdk", "examples/openai_sdk_agent.py", None, 4, ""),

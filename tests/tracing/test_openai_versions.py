@@ -13,28 +13,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.tracing.test_frameworks import _Recorder, vllm_returned
+from tests.tracing.test_frameworks import vllm_returned
 from tests.tracing.test_protocols import _exchanges, responses_returned
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = ["1.67.0", "2.54.0"]   # the oldest supported, the newest of the 2.x line
-
-
-@pytest.fixture(scope="module")
-def recorder(vllm_server):
-    server = _Recorder(vllm_server.url)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import requests
 
 from lightspan.tracing import semconv
 from tests.conftest import collector_process
-from tests.tracing.test_frameworks import _f32, _Recorder, vllm_returned
+from tests.tracing.test_frameworks import _f32, vllm_returned
 from tests.tracing.test_protocols import responses_returned
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,18 +78,6 @@ def vllm_server(tmp_path_factory):
         yield Server
     finally:
         inference.stop(proc)
-
-
-@pytest.fixture(scope="module")
-def recorder(vllm_server):
-    server = _Recorder(vllm_server.url)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _rollout(name, script, collector, recorder, tmp_path, env=(), task=None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 
 import httpx
@@ -27,7 +26,7 @@ import pytest
 
 from lightspan.tracing import semconv
 from tests.tracing.otel import _instrumented
-from tests.tracing.test_frameworks import _f32, _Recorder, vllm_returned
+from tests.tracing.test_frameworks import _f32, vllm_returned
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -36,18 +35,6 @@ CALL_TEXT = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo
 # vLLM's structured outputs make the random tiny model write exactly that tool call, in the form the
 # chat template renders an assistant's tool call back: the next turn's prompt extends this one's
 FORCED = {"structured_outputs": {"regex": re.escape(CALL_TEXT)}}
-
-
-@pytest.fixture(scope="module")
-def recorder(vllm_server):
-    server = _Recorder(vllm_server.url)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture()
