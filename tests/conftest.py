@@ -76,6 +76,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "v0")
 
 
+@contextmanager
+def running_vllm(cfg, log_name: str):
+    """``lightspan vllm``'s server for ``cfg`` (an ``inference.VLLMConfig``), healthy, its log in
+    ``ARTIFACTS/log_name``; stopped on exit. Yields the log's path."""
+    from lightspan import inference
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / log_name
+    proc = inference.start(cfg, log_path)
+    try:
+        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+        yield log_path
+    finally:
+        inference.stop(proc)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model, tmp_path_factory):
     """A real vLLM server (OpenAI-compatible, dev mode) serving ``tiny_model`` as ``policy``.
@@ -86,11 +102,7 @@ def vllm_server(tiny_model, tmp_path_factory):
 
     # 1024 (the tiny model's limit): a request with tools renders them into a prompt of ~600 byte tokens
     cfg = inference.VLLMConfig(model=str(tiny_model), port=free_port(), max_model_len=1024)
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "vllm-test.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-test.log") as log_path:
 
         class Server:
             url = cfg.url
@@ -99,5 +111,3 @@ def vllm_server(tiny_model, tmp_path_factory):
             log = log_path
 
         yield Server
-    finally:
-        inference.stop(proc)

@@ -26,7 +26,7 @@ from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.sync import ReloadSync, verify
 from tests.collector.helpers import wait_for
-from tests.conftest import ARTIFACTS, free_port
+from tests.conftest import free_port, running_vllm
 
 torch.set_num_threads(1)
 log = logging.getLogger(__name__)
@@ -39,13 +39,8 @@ def second_replica(vllm_server):
     from lightspan import inference
 
     cfg = inference.VLLMConfig(model=str(vllm_server.model_dir), port=free_port(), max_model_len=1024)
-    log_path = ARTIFACTS / "vllm-replica-2.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-replica-2.log") as log_path:
         yield cfg.url, log_path
-    finally:
-        inference.stop(proc)
 
 
 def served_requests(log_path) -> int:

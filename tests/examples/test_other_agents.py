@@ -34,7 +34,7 @@ import pytest
 import requests
 
 from tests.agent_envs import agent_env
-from tests.conftest import ARTIFACTS, collector_process, free_port
+from tests.conftest import collector_process, free_port, running_vllm
 
 pytestmark = pytest.mark.e2e
 
@@ -54,14 +54,8 @@ def served(tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     cfg = inference.VLLMConfig(model=str(model), port=free_port(), max_model_len=4096, aliases=ALIASES)
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "vllm-agents-test.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-agents-test.log"):
         yield cfg.url, model
-    finally:
-        inference.stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def vllm_server(tmp_path_factory):
 
     from lightspan import inference
     from lightspan.models import build_tiny_model
-    from tests.conftest import ARTIFACTS, free_port
+    from tests.conftest import free_port, running_vllm
 
     model = build_tiny_model(tmp_path_factory.mktemp("eager-model") / "v0")
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -65,19 +65,13 @@ def vllm_server(tmp_path_factory):
     config["eos_token_id"] = [config["eos_token_id"], *stops]
     (model / "generation_config.json").write_text(json.dumps(config))
     cfg = inference.VLLMConfig(model=str(model), port=free_port(), max_model_len=1024)
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "vllm-protocol-agents.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-protocol-agents.log"):
 
         class Server:
             url = cfg.url
             model_name = cfg.served_model_name
 
         yield Server
-    finally:
-        inference.stop(proc)
 
 
 def _rollout(name, script, collector, recorder, tmp_path, env=(), task=None):

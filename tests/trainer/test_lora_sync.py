@@ -15,7 +15,7 @@ from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.sync import prompt_logprobs, verify
-from tests.conftest import ARTIFACTS, free_port
+from tests.conftest import free_port, running_vllm
 
 torch.set_num_threads(1)
 log = logging.getLogger(__name__)
@@ -33,14 +33,8 @@ def lora_vllm(tiny_model):
 
     cfg = inference.VLLMConfig(model=str(tiny_model), port=free_port(), max_model_len=512, lora_rank=8)
     assert cfg.served_base_name == "policy-base"
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "vllm-lora-test.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-lora-test.log"):
         yield cfg
-    finally:
-        inference.stop(proc)
 
 
 def served_names(url):

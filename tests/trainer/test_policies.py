@@ -24,7 +24,7 @@ from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.policies import PolicyTrainers
 from lightspan.trainer.sync import prompt_logprobs, verify
-from tests.conftest import ARTIFACTS, collector_process, free_port
+from tests.conftest import collector_process, free_port, running_vllm
 
 torch.set_num_threads(1)
 log = logging.getLogger(__name__)
@@ -61,14 +61,8 @@ def lora_vllm(tiny_model, policies_file):
                                policies=str(policies_file))
     command = inference.command(cfg)
     assert command[command.index("--max-loras") + 1] == "5"      # 2 names per policy + 1 during a swap
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "vllm-policies-test.log"
-    proc = inference.start(cfg, log_path)
-    try:
-        inference.wait_healthy(cfg.url, proc, cfg.startup_timeout_s, log_path)
+    with running_vllm(cfg, "vllm-policies-test.log"):
         yield cfg
-    finally:
-        inference.stop(proc)
 
 
 def served_names(url):
