@@ -203,3 +203,16 @@ def quality_store(tmp_path_factory) -> str:
         yield f"http://127.0.0.1:{collector.api_port}"
     finally:
         collector.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (tests/dashboards/browser.py), one per module; skipped where none is installed."""
+    from tests.dashboards.browser import Browser, chromium_path
+
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium package where apt-get exists)")
+    b = Browser(executable)
+    yield b
+    b.close()

@@ -22,7 +22,7 @@ from lightspan.collector.server import Collector
 from lightspan.dashboards import web
 from tests.collector.helpers import config, query
 from tests.conftest import ARTIFACTS
-from tests.dashboards.browser import Browser, chromium_path
+from tests.dashboards.browser import Browser
 
 pytestmark = pytest.mark.e2e
 
@@ -69,16 +69,6 @@ def real_run(vllm_server, tiny_model, tmp_path_factory):
     finally:
         collector.stop()
         ReloadSync(vllm_server.url).push(str(tiny_model), 0)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = chromium_path()
-    if executable is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium package where apt-get exists)")
-    b = Browser(executable)
-    yield b
-    b.close()
 
 
 def open_page(browser: Browser, collector: Collector, hash_: str, ready: str) -> None:

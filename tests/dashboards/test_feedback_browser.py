@@ -18,7 +18,7 @@ from lightspan.lightningrl.builder import build_transitions
 from lightspan.lightningrl.config import TransitionsConfig
 from tests.collector.helpers import config, query
 from tests.conftest import ARTIFACTS
-from tests.dashboards.browser import Browser, chromium_path
+from tests.dashboards.browser import Browser
 from tests.dashboards.conftest import REASON, Rollout, send
 
 TOKEN = "s3cret-token"
@@ -28,16 +28,6 @@ ROLLOUTS = [Rollout("q0", "task-q", "train", "planner", 1.0, 1, "ok"),
             Rollout("q1", "task-q", "train", "planner", None, 1, "ok"),
             Rollout("q2", "task-q", "train", "planner", None, 1, "ok")]
 SHOTS = ARTIFACTS / "dashboards"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = chromium_path()
-    if executable is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium package where apt-get exists)")
-    b = Browser(executable)
-    yield b
-    b.close()
 
 
 @pytest.fixture()
