@@ -21,7 +21,9 @@ from tests.conftest import ARTIFACTS, collector_process
 pytestmark = pytest.mark.e2e
 
 AGENT = Path(__file__).parent / "agents" / "letters_agent.py"
-TASKS, SAMPLES, STEPS = 4, 8, 3
+# 4 steps at 1e-2: the reward of this random model walks up with dips (2e-2 over 3 steps ended
+# below its start once in 7 runs); over 6 runs of this setting it ended +0.24 to +0.48 above it
+TASKS, SAMPLES, STEPS = 4, 8, 4
 
 
 def lightspan(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -88,7 +90,7 @@ def test_walking_skeleton(collector, vllm_server, tiny_model, tmp_path):
         built = last_json(lightspan("transitions", "build", "--data-dir", str(data)))
         assert built["transitions/calls"] == TASKS * SAMPLES, built
         lightspan("train", "--mode", "once", "--data-dir", str(data), "--model", str(tiny_model),
-                  "--vllm-url", vllm_server.url, "--learning-rate", "2e-2", "--loss-type", "grpo",
+                  "--vllm-url", vllm_server.url, "--learning-rate", "1e-2", "--loss-type", "grpo",
                   "--sync", "reload", "--seed", "0")
         policy = json.loads((data / "policy.json").read_text())
         assert policy["version"] == step + 1
