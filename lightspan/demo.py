@@ -53,8 +53,12 @@ class DemoConfig:
     val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
     concurrency: int = option(32, "Rollouts at once: a step's 32 in one wave. vLLM on CPU batches them: 32 requests "
                                   "cost it a third of the CPU time at 32 at once that they cost at 4 at once.")
-    lora_r: int = option(16, "LoRA rank of the trainer on q/k/v/o (vLLM serves the adapter; a sync loads the new "
-                             "one in ~0.2 s); 0: full fine-tuning with in-place reload of all weights.")
+    lora_r: int = option(16, "LoRA rank of the trainer on q/k/v/o; 0: full fine-tuning with in-place reload of "
+                             "all weights.")
+    lora_serving: str = option("merged", "How vLLM serves the adapter: 'merged' into the base, reloaded after each "
+                                         "step (~1 s; decoding at 0.28x the CPU of an active adapter), or 'adapter' "
+                                         "(a 0.2 s sync; see lightspan experiment --help).",
+                               choices=("merged", "adapter"))
     learning_rate: float = option(3e-4, "Trainer learning rate (AdamW): of the LoRA adapter; with --lora-r 0 "
                                         "(full fine-tuning) about 2e-5.")
     beta: float = option(0.0, "KL coefficient to the initial policy (with LoRA: the base, no second model).")
@@ -111,6 +115,7 @@ def preset(cfg: DemoConfig, tasks_dir: Path) -> ExperimentConfig:
         val_tasks=str(write_jsonl(tasks_dir / "val_tasks.jsonl", val)),
         data_dir=cfg.data_dir, model=cfg.model, steps=cfg.steps, tasks_per_step=cfg.tasks_per_step,
         samples=cfg.samples, concurrency=cfg.concurrency, learning_rate=cfg.learning_rate, lora_r=cfg.lora_r,
+        lora_serving=cfg.lora_serving,
         beta=cfg.beta, max_staleness=cfg.max_staleness, trainer_threads=cfg.trainer_threads,
         entropy_floor=cfg.entropy_floor,
         loss_type="grpo", temperature=cfg.temperature, seed=cfg.seed, credit="identical", solved_at=1.0,

@@ -45,7 +45,8 @@ class TrainerConfig:
                                     "With sync 'lora' it is the adapter's stable name, and vLLM serves the "
                                     "base model under another name (lightspan vllm --lora-rank R does).")
     sync: str = option("reload", "Weight sync backend: 'reload' (save safetensors, vLLM reloads them "
-                       "in place; needs VLLM_SERVER_DEV_MODE=1), 'lora' (save the adapter, load it with "
+                       "in place; needs VLLM_SERVER_DEV_MODE=1; with lora_r > 0 the base with the adapter "
+                       "merged, CHECKPOINT/merged/, so vLLM decodes without an adapter), 'lora' (save the adapter, load it with "
                        "/v1/load_lora_adapter; needs lora_r > 0 and vLLM with --enable-lora and "
                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), 'nccl' (broadcast the live weights over NCCL, "
                        "vLLM's native weight transfer; GPU only, needs vllm installed in the trainer's "
@@ -155,9 +156,10 @@ class TrainerConfig:
         if self.sync == "lora" and not self.lora_r and not self.policies:
             fail("sync", "'lora' pushes a LoRA adapter, but lora_r is 0 (full fine-tuning)",
                  "pass --lora-r 16 (or another rank), or --sync reload")
-        if self.lora_r and self.sync in ("reload", "nccl"):
-            fail("sync", f"'{self.sync}' pushes full weights, but with lora_r > 0 the trainer trains only the adapter",
-                 "pass --sync lora (vLLM loads the adapter), or --lora-r 0 for full fine-tuning")
+        if self.lora_r and self.sync == "nccl":
+            fail("sync", "'nccl' broadcasts the live full weights, but with lora_r > 0 the trainer trains only the adapter",
+                 "pass --sync lora (vLLM loads the adapter) or reload (vLLM reloads the base with the adapter "
+                 "merged), or --lora-r 0 for full fine-tuning")
         if self.sync == "nccl":
             from lightspan.trainer.nccl import nccl_problem
 

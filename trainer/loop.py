@@ -60,7 +60,7 @@ from lightspan.trainer import checkpoints as ckpt
 from lightspan.trainer import distributed as dist
 from lightspan.trainer.batches import Batch, Cursor, micro_batches, next_batch
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.lora import is_adapter, reference, trainable_parameters, with_lora
+from lightspan.trainer.lora import MERGED, is_adapter, reference, save_merged, trainable_parameters, with_lora
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
@@ -105,6 +105,10 @@ class Trainer:
             raise ConfigError("trainer", "sync", "'nccl' broadcasts rank 0's parameters, which under FSDP are "
                               "shards", "pass --sync reload (rank 0 saves the gathered weights), or launch with "
                               "deploy/accelerate/ddp.yaml")
+        if self.sharded and config.sync == "reload" and config.lora_r:
+            raise ConfigError("trainer", "sync", "'reload' with lora_r merges the adapter into rank 0's base, "
+                              "which under FSDP is a shard", "pass --sync lora (vLLM loads the adapter), or "
+                              "launch with deploy/accelerate/ddp.yaml")
         # the resume state (checkpoints.RESUME_STATE), set by load_or_init
         self.version = 0
         self.cursor = Cursor()
@@ -213,6 +217,14 @@ class Trainer:
         """Make this policy's adapter the active and only trainable one (trainer/lora.py, 4.)."""
         if self.policy is not None:
             (model if model is not None else self.accelerator.unwrap_model(self.model)).set_adapter(self.policy)
+
+    def _served(self, checkpoint: Path) -> Path:
+        """What vLLM loads for ``checkpoint``: itself, or with sync 'reload' and LoRA the base with
+        the adapter merged (trainer/lora.py, 5.), written from the live model, which is that version."""
+        if not (self.config.lora_r and self.config.sync == "reload"):
+            return checkpoint
+        return save_merged(self.accelerator.unwrap_model(self.model), self.policy or "default",
+                           checkpoint / MERGED, Path(self.config.model))
 
     def _served_dir(self) -> Path | None:
         """What vLLM most likely serves: the published checkpoint, else (at version 0) the model."""
@@ -372,6 +384,7 @@ class Trainer:
                 expected: tuple[list[int], list[float]] | None = None) -> dict:
         """Sync ``checkpoint`` to vLLM, verify it, write policy.json and (given metrics) a train_steps row.
         ``expected``: the check's (ids, logprobs) when every rank computed them (``_expected_logprobs``)."""
+        checkpoint = self._served(checkpoint)
         try:
             sync_metrics = self.sync.push(checkpoint, self.version)
         except SyncError:

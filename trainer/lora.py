@@ -16,17 +16,27 @@ What this means for the rest of the trainer:
    one base: ``set_adapter(name)`` makes one the active and only trainable one (peft sets
    ``requires_grad`` for it alone), so each policy's forward, optimizer and checkpoint see only
    its own adapter, and the base is held once.
+5. With sync 'reload' vLLM serves the adapter merged: each published version also writes
+   ``merged/`` in its checkpoint, the base with W + (alpha / r) B A in every adapted layer, as a
+   full safetensors model that vLLM reloads in place (:func:`save_merged`). vLLM then decodes
+   without an active adapter, which on CPU costs a quarter of the CPU (bench/README.md, "Serving a
+   LoRA adapter merged"); the checkpoint itself still holds the adapter only (1.).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
+MERGED = "merged"
+"""The subdirectory of a LoRA checkpoint that holds the base with its adapter merged (5.)."""
+_WEIGHT_FILES = (".safetensors", ".bin", ".index.json", ".pt")
 
 
 def target_modules(spec: str) -> list[str] | str:
@@ -74,3 +84,38 @@ def reference(model, ref_model=None) -> Iterator[torch.nn.Module]:
         return
     with model.disable_adapter():
         yield model
+
+
+def merged_state_dict(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The base model's weights under their own names (as the base's checkpoint has them), with
+    ``adapter`` merged into every layer it adapts: W + (alpha / r) B A (peft's ``get_delta_weight``).
+    The model is left as it is (no ``merge_and_unload``)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    with torch.no_grad():
+        state = {name.replace(".base_layer.", "."): tensor for name, tensor in base.state_dict().items()
+                 if ".lora_" not in name}
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                state[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter)
+    return {name: tensor.detach().contiguous() for name, tensor in state.items()}
+
+
+def save_merged(model, adapter: str, out: Path, base_dir: Path) -> Path:
+    """Write ``out``: :func:`merged_state_dict` as ``model.safetensors`` and the base's other files
+    (config, tokenizer) from ``base_dir``; a directory that exists is complete (it is renamed into
+    place), and is returned as it is."""
+    from safetensors.torch import save_file
+
+    if out.is_dir():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(merged_state_dict(model, adapter), tmp / "model.safetensors", metadata={"format": "pt"})
+    for f in base_dir.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_FILES):
+            shutil.copy2(f, tmp / f.name)
+    os.replace(tmp, out)
+    return out

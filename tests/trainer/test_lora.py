@@ -13,7 +13,7 @@ from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.batches import collate
 from lightspan.trainer.checkpoints import STATE_FILE
 from lightspan.trainer.loop import Trainer
-from lightspan.trainer.lora import reference
+from lightspan.trainer.lora import merged_state_dict, reference, save_merged
 from lightspan.trainer.loss import token_logprobs
 
 torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def test_lora_config_errors_name_the_field():
     for kwargs, name in [(dict(sync="lora"), "trainer.sync"), (dict(lora_r=-1), "trainer.lora_r"),
                          (dict(lora_r=8, sync="lora", lora_dropout=1.0), "trainer.lora_dropout"),
                          (dict(lora_r=8, sync="lora", lora_target_modules=" , "), "trainer.lora_target_modules"),
-                         (dict(lora_r=8, sync="reload"), "trainer.sync")]:
+                         (dict(lora_r=8, sync="nccl"), "trainer.sync")]:
         with pytest.raises(ConfigError) as err:
             TrainerConfig(**{"model": "m", **kwargs})
         assert err.value.field == name
@@ -157,3 +157,34 @@ def test_resuming_with_the_other_kind_of_training_fails_naming_lora_r(tmp_path, 
     with pytest.raises(ConfigError) as err:
         other.load_or_init()
     assert err.value.field == "trainer.lora_r" and "v000001" in str(err.value)
+
+
+def test_the_merged_weights_are_the_base_with_the_adapter_applied(tmp_path, tiny_model):
+    """sync 'reload' with LoRA serves merged_state_dict: under the base checkpoint's own names, equal
+    to peft's merge_and_unload of a trained adapter, and a model loaded from save_merged's directory
+    gives the adapted model's logprobs."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = lora_config(tmp_path, tiny_model, batch_size=8)
+    write(cfg.data_dir, transitions(1, "a"))
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    trainer.train_once()                               # B != 0: the adapter changes the model
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    merged = merged_state_dict(model)
+    with safe_open(str(next(tiny_model.glob("*.safetensors"))), "pt") as base:
+        assert set(merged) == set(base.keys())
+        changed = {n for n in merged if not torch.equal(merged[n], base.get_tensor(n))}
+    assert changed == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"}
+    reference_merge = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[n], reference_merge[n], atol=1e-7) for n in merged)
+
+    out = save_merged(model, "default", tmp_path / "served" / "merged", tiny_model)
+    assert save_merged(model, "default", out, tiny_model) == out          # complete: written once
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.allclose(logprobs_of(loaded, GOOD), logprobs_of(model, GOOD), atol=1e-5)
+    base_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert not torch.allclose(logprobs_of(loaded, GOOD), logprobs_of(base_model, GOOD), atol=1e-4)

@@ -160,3 +160,41 @@ def test_without_the_sync_check_lora_steps_run_beside_rollouts(lora_vllm, tiny_m
     assert answers and set(answers) == {200}, answers
     token, logprob = sampled_logprob(url, "policy")          # the new adapter is what vLLM serves
     assert abs(logprob - trainer_logprob(trainer, token)) < 1e-4
+
+
+def test_sync_reload_serves_the_adapter_merged_into_a_vllm_without_lora(vllm_server, tiny_model, tmp_path):
+    """sync 'reload' with lora_r: each version's base-with-adapter-merged (CHECKPOINT/merged/) is
+    reloaded by a vLLM that has no LoRA at all; what it serves is the trainer's adapted model, the
+    checkpoint keeps only the adapter, and policy.json names the merged directory."""
+    from lightspan.trainer.lora import MERGED, is_adapter
+    from lightspan.trainer.sync import ReloadSync
+
+    url = vllm_server.url
+    ReloadSync(url).push(str(tiny_model), 0)       # the session's vLLM may serve other tests' weights
+    cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path / "data"), vllm_url=url,
+                        served_model_name="policy", sync="reload", lora_r=8, lora_alpha=16.0, learning_rate=5e-2,
+                        torch_threads=1, metrics_port=0)
+    trainer = Trainer(cfg)
+    trainer.load_or_init()
+    trainer.ensure_published()
+    ids, _ = trainer.verify_sequence()
+    served = [prompt_logprobs(url, "policy", ids)]
+    for version in (1, 2):
+        sampled_logprob(url, "policy")                # the old version's KV in the prefix cache
+        write_batch(trainer, created=version, prefix=f"m{version}")
+        row = trainer.train_once()
+        assert row["policy_version"] == version and row["sync_max_abs_logprob_diff"] < 1e-4
+        log.warning("merged LoRA sync to version %d: %.3f s", version, row["sync_seconds"])
+        checkpoint = trainer.checkpoints()[-1][1]
+        assert is_adapter(checkpoint) and not (checkpoint / "model.safetensors").exists()
+        assert (checkpoint / MERGED / "model.safetensors").is_file()
+        assert store.policy.read(trainer.data_dir).path == str(checkpoint / MERGED)
+        served.append(prompt_logprobs(url, "policy", ids))
+        assert max(abs(a - b) for a, b in zip(served[-2], served[-1])) > 1e-3
+        token, logprob = sampled_logprob(url, "policy")
+        assert abs(logprob - trainer_logprob(trainer, token)) < 1e-4
+    # a restarted trainer resumes from the adapter and publishes nothing new: vLLM serves its version
+    again = Trainer(cfg)
+    again.load_or_init()
+    again.ensure_published()
+    assert again.version == 2 and verify(url, "policy", ids, again.verify_sequence()[1]) < 1e-4
