@@ -58,8 +58,9 @@ def _policy_versions(raw: str) -> dict[str, int]:
 def content_on() -> bool:
     """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
     switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
-    return all(os.environ.get(k, "").strip().lower() != "false"
-               for k in ("TRACELOOP_TRACE_CONTENT", "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+    env = os.environ
+    return (env.get("TRACELOOP_TRACE_CONTENT", "").strip().lower() != "false"
+            and env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower() != "false")
 
 
 class Call:
@@ -184,14 +185,58 @@ def _other_url_reason(base: str, raw: str) -> str:
             "LIGHTSPAN_CAPTURE_URLS; a hosted API's calls cannot be trained on")
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_ready(value, depth: int = 0) -> bool:
+    """Whether ``value`` is made of dicts, lists and scalars alone (exact types), not too deep to walk."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if depth > 32:
+        return False
+    if kind is dict:
+        for item in value.values():
+            if type(item) not in _SCALARS and not _json_ready(item, depth + 1):
+                return False
+        return True
+    if kind is list:
+        for item in value:
+            if type(item) not in _SCALARS and not _json_ready(item, depth + 1):
+                return False
+        return True
+    return False
+
+
 def _plain(body: dict) -> dict:
     """An ``anthropic`` request body as JSON-ready data: anthropic 2.x hands ``post`` its arguments
-    with ``omit`` sentinels and pydantic blocks (a previous answer's ``content`` sent back)."""
-    try:
-        from anthropic._utils import prepare_request_data
-    except ImportError:   # older releases transform the body before post
+    with ``omit`` sentinels and pydantic blocks (a previous answer's ``content`` sent back).
+
+    A body that is plain data but for its top-level sentinels (most calls) loses them here; the
+    rest goes through the client's own ``prepare_request_data`` (its copy costs three times more)."""
+    prepare_request_data, sentinels = _anthropic_prepare()
+    if prepare_request_data is None:   # older releases transform the body before post
         return body
-    return prepare_request_data(body, location="body")
+    out = {}
+    for key, value in body.items():
+        kind = type(value)
+        if kind in sentinels:
+            continue
+        if kind not in _SCALARS and not _json_ready(value):
+            return prepare_request_data(body, location="body")
+        out[key] = value
+    return out
+
+
+@functools.cache
+def _anthropic_prepare():
+    """(anthropic's ``prepare_request_data`` or None, its sentinel types)."""
+    try:
+        from anthropic._types import NotGiven, Omit
+        from anthropic._utils import prepare_request_data
+    except ImportError:
+        return None, ()
+    return prepare_request_data, (NotGiven, Omit)
 
 
 def _can_convert(instance, stream: bool) -> str | None:
@@ -222,14 +267,17 @@ def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, inst
     return Call(library, api, Capture.for_request(asked, api), stream), with_capture(body, api)
 
 
-def _open(call: Call, body: dict, library: str) -> None:
+def _open(call: Call, body: dict, library: str) -> bool:
+    """Pick the call's span; True when it is one of our own that records the messages."""
     op = urls.OPERATION[call.api]
+    content = []
     model = str(body.get("model") or "")
 
     def start_attributes() -> dict:
         attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
                  semconv.GEN_AI_SYSTEM: _SYSTEMS[library]}
         if content_on():
+            content.append(True)
             try:
                 attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_INPUTS[call.api](body))
             except Exception:
@@ -237,6 +285,7 @@ def _open(call: Call, body: dict, library: str) -> None:
         return attrs
 
     call.span, call.owned = spans.target(f"{op} {model}".strip(), start_attributes)
+    return bool(content)
 
 
 def prepare(library: str, instance, args, kwargs):
@@ -270,8 +319,8 @@ def prepare(library: str, instance, args, kwargs):
             kwargs["path"] = chat_path
     if api != urls.MESSAGES and _agl(url):
         call.cap.caller_ids = call.cap.caller_logprobs = True
-    _open(call, call.cap.body if api == urls.MESSAGES else asked, library)
-    if call.owned and content_on() and (call.converted or api in (urls.CHAT, urls.TEXT_COMPLETION)):
+    content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library)
+    if content and (call.converted or api in (urls.CHAT, urls.TEXT_COMPLETION)):
         call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
     return call, kwargs
 

@@ -149,10 +149,22 @@ def mark_enclosing(inner) -> None:
         outer = NESTING.enclosing.get(outer)
 
 
+_TRACER: list = [None, None]   # the provider of the last call, its tracer
+
+
+def _tracer():
+    """lightspan's tracer of the instrumentor's provider (else the global one), cached per provider:
+    the SDK's ``get_tracer`` hands back the same tracer each time, after ~10 µs of building its key
+    and resetting a warnings filter."""
+    provider = _tracer_provider if _tracer_provider is not None else trace.get_tracer_provider()
+    if provider is not _TRACER[0]:
+        _TRACER[:] = [provider, provider.get_tracer(TRACER_NAME)]
+    return _TRACER[1]
+
+
 def open_span(name: str, attributes: dict):
     """A GenAI client span of lightspan's own for one call (docstring, 3.)."""
-    span = trace.get_tracer(TRACER_NAME, tracer_provider=_tracer_provider).start_span(
-        name, kind=trace.SpanKind.CLIENT, attributes=attributes)
+    span = _tracer().start_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes)
     NESTING.owned.add(span)
     mark_enclosing(span)  # an LLM span further up (under a framework's own span) describes this call too
     return span
