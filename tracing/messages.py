@@ -100,23 +100,49 @@ class ChatOutput:
         self.finish_reason: str | None = None
 
     def add(self, payload) -> None:
-        for choice in _get(payload, "choices") or ():
-            if (_get(choice, "index") or 0) != 0:
-                continue
-            part = _get(choice, "message") or _get(choice, "delta")
-            if part is None:
-                text = _get(choice, "text")   # completions
-                if text:
-                    self.text.append(text)
+        for choice in (payload.get("choices") if type(payload) is dict else _get(payload, "choices")) or ():
+            if type(choice) is dict:
+                self._add_json(choice)
             else:
-                if _get(part, "content"):
-                    self.text.append(_get(part, "content"))
-                if _get(part, "reasoning"):
-                    self.reasoning.append(_get(part, "reasoning"))
-                for call in _get(part, "tool_calls") or ():
-                    self._call(call)
-            if _get(choice, "finish_reason"):
-                self.finish_reason = _get(choice, "finish_reason")
+                self._add(choice)
+
+    def _add_json(self, choice: dict) -> None:
+        """:meth:`_add` with plain dict lookups (it runs per stream chunk)."""
+        if (choice.get("index") or 0) != 0:
+            return
+        part = choice.get("message") or choice.get("delta")
+        if type(part) is not dict:
+            self._add(choice)
+            return
+        content = part.get("content")
+        if content:
+            self.text.append(content)
+        reasoning = part.get("reasoning")
+        if reasoning:
+            self.reasoning.append(reasoning)
+        for call in part.get("tool_calls") or ():
+            self._call(call)
+        reason = choice.get("finish_reason")
+        if reason:
+            self.finish_reason = reason
+
+    def _add(self, choice) -> None:
+        if (_get(choice, "index") or 0) != 0:
+            return
+        part = _get(choice, "message") or _get(choice, "delta")
+        if part is None:
+            text = _get(choice, "text")   # completions
+            if text:
+                self.text.append(text)
+        else:
+            if _get(part, "content"):
+                self.text.append(_get(part, "content"))
+            if _get(part, "reasoning"):
+                self.reasoning.append(_get(part, "reasoning"))
+            for call in _get(part, "tool_calls") or ():
+                self._call(call)
+        if _get(choice, "finish_reason"):
+            self.finish_reason = _get(choice, "finish_reason")
 
     def _call(self, call) -> None:
         index = _get(call, "index") or 0

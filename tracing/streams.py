@@ -91,57 +91,72 @@ class CapturedDecoder:
 
 
 class ConvertedDecoder(CapturedDecoder):
-    """The decoder of a converted Anthropic call: vLLM's chat chunks in, Anthropic events out."""
+    """The decoder of a converted Anthropic call: vLLM's chat chunks in, Anthropic events out
+    (``event_type``: :func:`converted_event_type`'s)."""
+
+    def _make(self, name, data, id, retry):
+        return data   # of a chat chunk only the data is read: no event object is built for it
 
     def _events(self, parser: SSEParser, chunk: bytes):
         out = []
-        for sse in parser.feed(chunk):
-            data = sse.data
+        make, cap = self.event_type, self.call.cap
+        for data in parser.feed(chunk):
             if data.startswith("[DONE]"):
-                events = self.call.cap.end()
-                out += [self._converted(name, d) for name, d in events]
+                out += [make(name, d) for name, d in cap.end()]
                 self.end(True)
             elif data.startswith("{"):
                 chunk_json = self.read(self.call, data)
                 if type(chunk_json) is dict:
-                    out += [self._converted(name, d) for name, d in self.call.cap.events(chunk_json)]
+                    out += [make(name, d) for name, d in cap.events(chunk_json)]
         return out
-
-    def _converted(self, name: str, data: dict):
-        return self.event_type(None, None, name, None, None, None, decoded=data)
 
     def _pass(self, sse) -> None:
         pass
 
 
-@functools.lru_cache(maxsize=4)
-def event_type(library: str) -> type:
-    """The client library's ``ServerSentEvent``, whose ``json()`` decodes with lightspan and feeds
-    the call (or, for a converted event, returns the event it already is)."""
+def _server_sent_event(library: str) -> type:
     if library == "anthropic":
         from anthropic._streaming import ServerSentEvent
     else:
         from openai._streaming import ServerSentEvent
+    return ServerSentEvent
 
-    class CapturedEvent(ServerSentEvent):
-        def __init__(self, call, read, event, data, id, retry, decoded=None):
+
+@functools.lru_cache(maxsize=4)
+def event_type(library: str) -> type:
+    """The client library's ``ServerSentEvent``, whose ``json()`` decodes with lightspan and feeds
+    the call."""
+    class CapturedEvent(_server_sent_event(library)):
+        def __init__(self, call, read, event, data, id, retry):
             super().__init__(event=event, data=data, id=id, retry=retry)
-            self._lightspan = (call, read, decoded)
-
-        @property
-        def data(self) -> str:
-            # a converted event's text is made only if someone reads it (the client takes json())
-            if not self._data and self._lightspan[2] is not None:   # (anthropic's __init__ makes None "")
-                self._data = orjson.dumps(self._lightspan[2]).decode()
-            return self._data
+            self._lightspan = (call, read)
 
         def json(self):
-            call, read, decoded = self._lightspan
-            if decoded is not None:
-                return decoded
+            call, read = self._lightspan
             return read(call, self._data)
 
     return CapturedEvent
+
+
+@functools.lru_cache(maxsize=4)
+def converted_event_type(library: str) -> type:
+    """The client library's ``ServerSentEvent`` for an event converted from a chat chunk: its
+    ``json()`` is the converted event, its text is made when it is read."""
+    class ConvertedEvent(_server_sent_event(library)):
+        def __init__(self, event, decoded):
+            super().__init__(event=event)
+            self._decoded = decoded
+
+        @property
+        def data(self) -> str:
+            if not self._data:
+                self._data = orjson.dumps(self._decoded).decode()
+            return self._data
+
+        def json(self):
+            return self._decoded
+
+    return ConvertedEvent
 
 
 @functools.lru_cache(maxsize=4)
@@ -166,5 +181,6 @@ def tap(stream, call, read) -> bool:
     kind = ConvertedDecoder if call.converted else CapturedDecoder
     if call.converted and not own:
         return False   # a decoder of the client's own cannot be handed converted events
-    stream._decoder = kind(decoder, call, read, event_type(call.library), own)
+    events = converted_event_type if call.converted else event_type
+    stream._decoder = kind(decoder, call, read, events(call.library), own)
     return True
