@@ -56,6 +56,16 @@ def unsupported(body: dict) -> str | None:
     return None
 
 
+def _packed(ids: list) -> bytes | None:
+    """The ids packed now, while the list just decoded is in the CPU's caches (as the chat
+    capture does); None when they do not pack: :meth:`ResponsesCapture.attributes` then fails as
+    it would have."""
+    try:
+        return semconv.encode_ids(ids)
+    except Exception:
+        return None
+
+
 def _output_text_parts(response):
     for item in _get(response, "output") or ():
         if _get(item, "type") == "message":
@@ -92,6 +102,7 @@ class ResponsesCapture:
         self.temperature: float | None = None
         self.model = None
         self.prompt: list[int] | None = None
+        self.packed_prompt: bytes | None = None   # packed as it is read (the prompt is the largest part)
         self.completion: list[int] | None = None
         self.turns = 0                         # output_messages entries (one per model turn)
         self.logprobs: list[float] = []
@@ -151,6 +162,7 @@ class ResponsesCapture:
             tokens = _get(inputs[0], "tokens")
             if isinstance(tokens, list) and self.prompt is None:
                 self.prompt = tokens
+                self.packed_prompt = _packed(tokens)
         if outputs:
             self.turns = len(outputs)
             tokens = _get(outputs[0], "tokens")
@@ -213,7 +225,8 @@ class ResponsesCapture:
             attrs[semconv.CAPTURE_REASON] = reason
         if status not in ("ok", "no_logprobs"):
             return attrs
-        attrs[semconv.PROMPT_TOKEN_IDS] = semconv.encode_ids(self.prompt)
+        attrs[semconv.PROMPT_TOKEN_IDS] = (self.packed_prompt if self.packed_prompt is not None
+                                           else semconv.encode_ids(self.prompt))
         attrs[semconv.COMPLETION_TOKEN_IDS] = (semconv.encode_ids(self.completion),)
         if status == "ok":
             attrs[semconv.COMPLETION_LOGPROBS] = (semconv.encode_floats(self.logprobs),)
