@@ -69,7 +69,8 @@ def _staleness_of_trained(data: Path) -> list[int]:
 
 
 @pytest.mark.e2e
-def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora-r", "8"]], ids=["full", "lora-merged"])
+def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, tiny_model, tmp_path, lora):
     tasks = tmp_path / "train.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Letters {i}", "max_tokens": 8}) + "\n"
                              for i in range(12)))
@@ -80,7 +81,7 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
                     str(ROOT / "tests" / "agents" / "letters_agent.py"), "--train-tasks", str(tasks),
                     "--val-tasks", str(val), "--steps", "4", "--tasks-per-step", "2", "--samples", "3",
                     "--max-staleness", "1", "--learning-rate", "1e-3", "--vllm-url", vllm_server.url,
-                    "--model", str(tiny_model), "--data-dir", str(data), "--out-dir", str(tmp_path / "out")],
+                    "--model", str(tiny_model), "--data-dir", str(data), "--out-dir", str(tmp_path / "out"), *lora],
                    check=True, stdout=subprocess.DEVNULL)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["step"] for r in results["train"]] == [1, 2, 3, 4] and all(r["trained"] for r in results["train"])
@@ -91,3 +92,8 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
     # validation waited for the trainer: the last one evaluated the newest policy
     assert results["val"][-1]["policy_version"] == results["trainer"]["steps"]
     assert results["val"][-1]["cpu_seconds"] > results["val"][0]["cpu_seconds"] > 0
+    # every sync was checked against vLLM; with LoRA, vLLM (no --enable-lora) serves it merged
+    diffs = store.connect(data).execute("SELECT sync_max_abs_logprob_diff FROM train_steps").fetchall()
+    assert diffs and all(d is not None and d < 1e-3 for (d,) in diffs), diffs
+    if lora:
+        assert store.policy.read(data).path.endswith("/merged")
