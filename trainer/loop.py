@@ -6,7 +6,7 @@ One step, flat (``Trainer.train_once``)::
                  malformed and the zero-advantage ones (no gradient), take <= batch_size
                  (trainer/batches.py)
     step         micro-batches -> token logprobs -> clipped, IS-corrected loss (trainer/loss.py)
-                 -> accumulated gradient -> clip -> AdamW; version + 1
+                 -> accumulated gradient -> clip -> AdamW (trainer/step.py); version + 1
     save         output_dir/v{version:06d}/: safetensors + tokenizer + trainer_state.pt +
                  trainer_config.json, written to a temp dir and renamed (trainer/checkpoints.py)
     publish      weight sync (trainer/sync.py) -> verify one fixed sequence against vLLM ->
@@ -40,7 +40,7 @@ Choices worth knowing:
    rank keeps its shard. Forward passes are collectives: the sync check's logprobs are computed
    on every rank before rank 0 publishes. The KL reference is sharded too (TRL's prepare_fsdp);
    with LoRA only the adapters are gathered (the frozen base is config.model). Refused: sync
-   'nccl' (it would broadcast shards).
+   'nccl' (it would broadcast shards) and sync 'reload' with LoRA (it would merge into a shard).
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ from lightspan import store
 from lightspan.config import ConfigError
 from lightspan.trainer import checkpoints as ckpt
 from lightspan.trainer import distributed as dist
-from lightspan.trainer.batches import Batch, Cursor, micro_batches, next_batch
+from lightspan.trainer.batches import Batch, Cursor, next_batch
 from lightspan.trainer.config import TrainerConfig
-from lightspan.trainer.lora import MERGED, is_adapter, reference, save_merged, trainable_parameters, with_lora
-from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
+from lightspan.trainer.lora import MERGED, is_adapter, save_merged, trainable_parameters, with_lora
+from lightspan.trainer.loss import token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
 from lightspan.trainer.replicas import ReplicaSync
+from lightspan.trainer.step import optimise
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
 
 log = logging.getLogger(__name__)
@@ -270,75 +271,12 @@ class Trainer:
 
     # ---- optimisation -----------------------------------------------------------------------
     def step(self, batch: Batch) -> dict:
-        """One optimizer step per pass over ``batch`` (num_iterations passes); version + 1."""
-        cfg, model, device = self.config, self.model, self.accelerator.device
-        t0 = time.monotonic()
+        """One optimizer step per pass over ``batch`` (num_iterations passes, trainer/step.py); version + 1."""
         self._activate()
-        model.train()
-        pad_id = self._pad_id()
-        micro, live = micro_batches(batch.rows, rank=self.accelerator.process_index,   # this rank's share
-                                    num_ranks=self.accelerator.num_processes, size=cfg.micro_batch_size,
-                                    pad_id=pad_id, device=device)
-        lengths = [len(r["completion_token_ids"]) for r in batch.rows]
-        trained = [n if r.get("completion_mask") is None else sum(r["completion_mask"])
-                   for r, n in zip(batch.rows, lengths)]
-        totals = BatchTotals(len(batch.rows), sum(trained), max(lengths))
-
-        # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
-        old = [None] * len(micro)
-        ref = [None] * len(micro)
-        with torch.no_grad():
-            for i, mb in enumerate(micro):
-                if cfg.num_iterations > 1:
-                    old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)[0]
-                if cfg.beta:
-                    with reference(self.accelerator.unwrap_model(model), self.ref_model) as ref_model:
-                        ref[i] = token_logprobs(ref_model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                                mb.temperatures)[0]
-
-        sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
-        loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
-        for _ in range(cfg.num_iterations):
-            for i, mb in dist.accumulating(self.accelerator, model, micro):
-                logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                                   mb.temperatures)
-                loss, m = policy_loss(
-                    logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
-                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                    behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
-                    is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[i], beta=cfg.beta,
-                    totals=totals)
-                # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
-                self.accelerator.backward(loss * (self.accelerator.num_processes if i < live else 0.0))
-                if i >= live:                   # a padding pass (module docstring, 5): no metrics
-                    continue
-                n = m["num_tokens"]
-                m["entropy"] = float(entropy.sum()) / max(n, 1)
-                for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
-                            "is_truncated", "kl", "entropy"):
-                    sums[key] = sums.get(key, 0.0) + m[key] * n
-                loss_total += m["loss"]
-                is_max = max(is_max, m["is_ratio_max"])
-            grad_norm = float(self.accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        sums, loss_total, is_max = dist.across_ranks(self.accelerator, sums, loss_total, is_max)
-
+        metrics = optimise(self.accelerator, self.model, self.optimizer, batch, self.config,
+                           ref_model=self.ref_model, pad_id=self._pad_id())
         self.version += 1
         self.cursor = batch.cursor
-        weight = max(totals.num_tokens * cfg.num_iterations, 1)
-        metrics = {key: value / weight for key, value in sums.items()}
-        advantages = [abs(float(r["advantage"])) for r in batch.rows]
-        signed = torch.tensor([float(r["advantage"]) for r in batch.rows], dtype=torch.float64)
-        metrics["advantage_std"] = float(signed.std(unbiased=False))
-        metrics["tokens_per_second"] = totals.num_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
-        metrics.update({
-            "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
-            "num_transitions": len(batch.rows), "num_tokens": totals.num_tokens,
-            "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(advantages) / len(advantages),
-            "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
-            "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
-            "step_seconds": time.monotonic() - t0})
         return metrics
 
     def _pad_id(self) -> int:

@@ -1,0 +1,97 @@
+"""One optimizer step of the trainer (trainer/loop.py's ``step``): a batch of transitions in, the
+policy's weights updated, the step's metrics out.
+
+One pass (``num_iterations`` passes over the batch, each one optimizer step)::
+
+    micro-batches (this rank's share, trainer/batches.py) -> token logprobs at each call's
+    temperature -> clipped, IS-corrected loss against the recorded vLLM logprobs (trainer/loss.py),
+    normalised by the whole batch's counts -> accumulated gradient -> clip -> AdamW
+
+pi_old is the current policy detached with one pass (ratio 1), and frozen before the first pass
+with more; the KL reference's logprobs (``beta`` > 0) are computed once, up front. Under DDP the
+loss is scaled by the number of ranks (trainer/loop.py's docstring, 5.), and padding micro-batches
+carry weight 0 and no metrics.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lightspan.trainer import distributed as dist
+from lightspan.trainer.batches import Batch, micro_batches
+from lightspan.trainer.config import TrainerConfig
+from lightspan.trainer.lora import reference
+from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
+
+
+def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig, *, ref_model=None,
+             pad_id: int = 0) -> dict:
+    """Train ``model`` (accelerate-prepared) on ``batch``; returns the step's metrics (train_steps'
+    columns: loss, clip and IS ratios, entropy, KL, grad norm, counts, timings)."""
+    cfg, device = config, accelerator.device
+    t0 = time.monotonic()
+    model.train()
+    micro, live = micro_batches(batch.rows, rank=accelerator.process_index,   # this rank's share
+                                num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
+                                pad_id=pad_id, device=device)
+    lengths = [len(r["completion_token_ids"]) for r in batch.rows]
+    trained = [n if r.get("completion_mask") is None else sum(r["completion_mask"])
+               for r, n in zip(batch.rows, lengths)]
+    totals = BatchTotals(len(batch.rows), sum(trained), max(lengths))
+
+    # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
+    old = [None] * len(micro)
+    ref = [None] * len(micro)
+    with torch.no_grad():
+        for i, mb in enumerate(micro):
+            if cfg.num_iterations > 1:
+                old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)[0]
+            if cfg.beta:
+                with reference(accelerator.unwrap_model(model), ref_model) as ref_policy:
+                    ref[i] = token_logprobs(ref_policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                            mb.temperatures)[0]
+
+    sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
+    loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
+    for _ in range(cfg.num_iterations):
+        for i, mb in dist.accumulating(accelerator, model, micro):
+            logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                               mb.temperatures)
+            loss, m = policy_loss(
+                logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
+                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
+                is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[i], beta=cfg.beta,
+                totals=totals)
+            # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
+            accelerator.backward(loss * (accelerator.num_processes if i < live else 0.0))
+            if i >= live:                   # a padding pass (module docstring, 5): no metrics
+                continue
+            n = m["num_tokens"]
+            m["entropy"] = float(entropy.sum()) / max(n, 1)
+            for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
+                        "is_truncated", "kl", "entropy"):
+                sums[key] = sums.get(key, 0.0) + m[key] * n
+            loss_total += m["loss"]
+            is_max = max(is_max, m["is_ratio_max"])
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sums, loss_total, is_max = dist.across_ranks(accelerator, sums, loss_total, is_max)
+
+    weight = max(totals.num_tokens * cfg.num_iterations, 1)
+    metrics = {key: value / weight for key, value in sums.items()}
+    advantages = [abs(float(r["advantage"])) for r in batch.rows]
+    signed = torch.tensor([float(r["advantage"]) for r in batch.rows], dtype=torch.float64)
+    metrics["advantage_std"] = float(signed.std(unbiased=False))
+    metrics["tokens_per_second"] = totals.num_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
+    metrics.update({
+        "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
+        "num_transitions": len(batch.rows), "num_tokens": totals.num_tokens,
+        "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(advantages) / len(advantages),
+        "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
+        "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
+        "step_seconds": time.monotonic() - t0})
+    return metrics
