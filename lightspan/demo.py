@@ -56,7 +56,7 @@ class DemoConfig:
     lora_r: int = option(16, "LoRA rank of the trainer on q/k/v/o; 0: full fine-tuning with in-place reload of "
                              "all weights.")
     lora_serving: str = option("merged", "How vLLM serves the adapter: 'merged' into the base, reloaded after each "
-                                         "step (~1 s; decoding at 0.28x the CPU of an active adapter), or 'adapter' "
+                                         "step (~3 s; decoding at 0.21x the CPU of an active adapter), or 'adapter' "
                                          "(a 0.2 s sync; see lightspan experiment --help).",
                                choices=("merged", "adapter"))
     learning_rate: float = option(3e-4, "Trainer learning rate (AdamW): of the LoRA adapter; with --lora-r 0 "

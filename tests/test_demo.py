@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_preset_is_an_experiment_of_the_demo_tasks_agent_and_settings(tmp_path):
     cfg = demo.DemoConfig(steps=3, tasks_per_step=2, samples=4, val_tasks=5, learning_rate=3e-5, seed=7, lora_r=8,
-                          entropy_floor=0.25)
+                          entropy_floor=0.25, lora_serving="adapter")
     exp = demo.preset(cfg, tmp_path)
+    assert exp.lora_serving == "adapter" and demo.DemoConfig().lora_serving == "merged"
     assert exp.entropy_floor == 0.25 and demo.DemoConfig().entropy_floor > 0   # the demo warns of a collapse
     train, val = demo.make_tasks(7, 6, 5)
     assert Path(exp.train_tasks).read_text().count("\n") == len(train) == 6
