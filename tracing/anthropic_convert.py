@@ -274,6 +274,7 @@ class MessageStream:
         self.tool_id: str | None = None
         self.pending: list[str] = []        # text that came while a tool_use block was open
         self.tool_ids: dict[int, str] = {}  # tool call index -> tool_use id
+        self.blocks: list[tuple[dict, list]] = []   # each block as started, with its deltas (for the span)
 
     def _stop_block(self, out: list) -> None:
         if self.block is None:
@@ -289,6 +290,7 @@ class MessageStream:
         out.append(("content_block_start", {"type": "content_block_start", "content_block": block,
                                             "index": self.next_index}))
         self.block, self.index = block["type"], self.next_index
+        self.blocks.append((block, []))
         self.signature = uuid.uuid4().hex if block["type"] == "thinking" else None
         self.tool_id = block.get("id") if block["type"] == "tool_use" else None
 
@@ -303,6 +305,8 @@ class MessageStream:
     def _delta(self, delta: dict, out: list) -> None:
         index = self.index if self.index is not None else self.next_index
         out.append(("content_block_delta", {"type": "content_block_delta", "delta": delta, "index": index}))
+        if self.block is not None:
+            self.blocks[-1][1].append(delta)
 
     def feed(self, chunk: dict) -> list[tuple[str, dict]]:
         """The events of one chat completion chunk."""
@@ -344,6 +348,13 @@ class MessageStream:
             self._tool_call(call, out)
         return out
 
+    def text(self, text: str) -> list[tuple[str, dict]]:
+        """The events of a chunk that is only ``text``, while a text block is open (what :meth:`feed`
+        gives for it, without reading the chunk again)."""
+        out: list = []
+        self._delta({"type": "text_delta", "text": text}, out)
+        return out
+
     def _tool_call(self, call: dict, out: list) -> None:
         fn = call.get("function") or {}
         if call.get("id") is not None:
@@ -358,6 +369,16 @@ class MessageStream:
         if tool_id is not None and fn.get("arguments") and self.tool_id == tool_id:
             self.tool_args.append(fn["arguments"])
             self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}, out)
+
+    def content(self) -> list[tuple[str, dict, str]]:
+        """The message's blocks so far: (type, the block as started, the text of its deltas: a text
+        block's text, a thinking block's thinking, a tool_use block's input as JSON text)."""
+        key = {"text": "text", "thinking": "thinking", "tool_use": "partial_json"}
+        out = []
+        for block, deltas in self.blocks:
+            field = key.get(block["type"])
+            out.append((block["type"], block, "".join(d.get(field) or "" for d in deltas) if field else ""))
+        return out
 
     def done(self) -> list[tuple[str, dict]]:
         """The events at the stream's ``[DONE]``."""

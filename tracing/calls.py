@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -66,11 +67,40 @@ def content_on() -> bool:
 class Call:
     """A call being captured: its capture, its span, and what its answer's reader needs."""
 
-    __slots__ = ("library", "api", "cap", "span", "owned", "output", "stream", "converted", "ended", "path")
+    __slots__ = ("library", "api", "cap", "span", "owned", "output", "stream", "converted", "ended", "path",
+                 "adopted", "deferred", "start", "name", "content")
 
     def __init__(self, library: str, api: str, cap, stream: bool, converted: bool = False):
         self.library, self.api, self.cap, self.stream, self.converted = library, api, cap, stream, converted
         self.span, self.owned, self.output, self.ended, self.path = None, False, None, False, None
+        self.adopted = False
+        self.deferred = None   # (adopting's reset token, start ns, span name) while a span to adopt is awaited
+        self.start = None      # the start attributes of a span of our own (a function)
+        self.name = None       # a span of our own's name
+        self.content = False   # whether the span records the messages
+
+    def adopt(self, span) -> None:
+        """The client library's span of this call started (spans.Nesting): record on it."""
+        self.span, self.adopted = span, True
+
+    def settle(self) -> None:
+        """The client's ``post`` returned (or raised): a span awaited that never started is one of
+        our own now, started when the call did."""
+        if self.deferred is None:
+            return
+        token, start_ns = self.deferred
+        self.deferred = None
+        spans.NESTING.adopting.reset(token)
+        if self.span is None:
+            self.span, self.owned = spans.open_span(self.name, self.start(), start_time=start_ns), True
+
+    def _live(self):
+        """The span to record on: an adopted span that ended already (its library ends it before
+        ``post`` returns when it reads the answer itself) gives way to one of our own."""
+        if self.adopted and getattr(self.span, "end_time", None) is not None:
+            self.span, self.owned, self.adopted = spans.open_span(
+                self.name, self.start(), start_time=self.span.start_time), True, False
+        return self.span
 
     @property
     def fed(self) -> int:
@@ -85,10 +115,11 @@ class Call:
         self.cap.readable = False
 
     def set_status(self, status: str, reason: bool = False) -> None:
-        if self.span.is_recording():
-            self.span.set_attribute(semconv.CAPTURE_STATUS, status)
+        span = self._live()
+        if span.is_recording():
+            span.set_attribute(semconv.CAPTURE_STATUS, status)
             if reason:
-                self.span.set_attribute(semconv.CAPTURE_REASON, REASONS[status])
+                span.set_attribute(semconv.CAPTURE_REASON, REASONS[status])
 
     def returned(self) -> None:
         """The client's call returned: traceloop's Responses wrapper starts its span of it next."""
@@ -117,7 +148,7 @@ class Call:
             self.span.end()
 
     def _record(self) -> None:
-        cap, span = self.cap, self.span
+        cap, span = self.cap, self._live()
         try:
             if cap.readable:
                 # the model name the call went to (the answer's, else the request's) names its policy
@@ -128,7 +159,9 @@ class Call:
                     attrs[semconv.POLICY_NAME] = policy
             else:
                 attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
-            if self.owned and cap.readable:
+            if self.adopted and cap.readable:
+                attrs.update(self.start())   # the library's span has the request's, not ours
+            if (self.owned or self.adopted) and cap.readable:
                 attrs.update(cap.genai_attributes())
                 out = self._output()
                 if out is not None:
@@ -144,6 +177,10 @@ class Call:
     def _output(self):
         if self.api == urls.RESPONSES:
             return messages.responses_output(self.cap.response, self.cap.finish_reason) if self.cap.response else None
+        if self.converted and self.stream:
+            if not self.content:
+                return None
+            return messages.anthropic_stream_output(self.cap.stream.content(), self.cap.stop_reason)
         if self.output is None:
             return None
         return self.output.messages(getattr(self.cap, "stop_reason", None))
@@ -171,11 +208,16 @@ def _agl_base(raw: str):
     return urls.canonical(raw) if raw.strip() else None
 
 
-def _agl(url: str) -> bool:
-    """A call to Agent Lightning's proxy URL: its agents read ids and logprobs without asking."""
-    base = _agl_base(os.environ.get("AGL_OPENAI_BASE_URL", ""))
-    target = urls.canonical(url) if base is not None else None
-    return target is not None and urls.covers(base, target)
+@functools.lru_cache(maxsize=256)
+def _route(base: str, path: str, raw: str, agl_raw: str) -> tuple[bool, bool]:
+    """(whether the URL called is a capture URL under ``LIGHTSPAN_CAPTURE_URLS=raw``, whether it
+    is Agent Lightning's proxy URL ``AGL_OPENAI_BASE_URL=agl_raw``, whose agents read ids and
+    logprobs without asking) of a call to ``path`` of a client of ``base`` (cached: a client calls
+    a few URLs many times)."""
+    url = urls.join(base, path)
+    agl = _agl_base(agl_raw)
+    target = urls.canonical(url) if agl is not None else None
+    return urls.is_capture_url(url, raw), target is not None and urls.covers(agl, target)
 
 
 def _other_url_reason(base: str, raw: str) -> str:
@@ -246,11 +288,24 @@ def _can_convert(instance, stream: bool) -> str | None:
     http = getattr(base, "httpx2", None) or getattr(base, "httpx", None)
     if http is None or not hooks.hooked(http.Response):
         return "a client whose HTTP library lightspan does not hook"
-    if stream:
-        from anthropic._streaming import SSEDecoder
-        if type(instance._make_sse_decoder()) is not SSEDecoder:
-            return "a client with a server-sent-event decoder of its own"
+    if stream and not _own_decoder(instance):
+        return "a client with a server-sent-event decoder of its own"
     return None
+
+
+def _own_decoder(instance) -> bool:
+    """Whether an anthropic client decodes its streams with anthropic's own SSE decoder (one whose
+    class and self do not override ``_make_sse_decoder`` does, without making one to see)."""
+    if _class_decoder(type(instance)) and "_make_sse_decoder" not in getattr(instance, "__dict__", ()):
+        return True
+    from anthropic._streaming import SSEDecoder
+    return type(instance._make_sse_decoder()) is SSEDecoder
+
+
+@functools.lru_cache(maxsize=8)
+def _class_decoder(cls: type) -> bool:
+    from anthropic._base_client import BaseClient
+    return getattr(cls, "_make_sse_decoder", None) is getattr(BaseClient, "_make_sse_decoder", False)
 
 
 def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, instance):
@@ -267,24 +322,38 @@ def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, inst
     return Call(library, api, Capture.for_request(asked, api), stream), with_capture(body, api)
 
 
-def _open(call: Call, body: dict, library: str) -> bool:
-    """Pick the call's span; True when it is one of our own that records the messages."""
-    op = urls.OPERATION[call.api]
-    content = []
+def _adopts(library: str, api: str, instance) -> bool:
+    """Whether the client starts the call's LLM span itself, during the call: the ``anthropic``
+    client with its tracing on (2.x; a client's ``_tracer`` is None when it is off)."""
+    return api == urls.MESSAGES and getattr(instance, "_tracer", None) is not None
+
+
+def _start_attributes(api: str, library: str, model: str, body: dict, content: list) -> dict:
+    """A span of our own's start attributes (``content`` gets True when they hold the messages)."""
+    attrs = {semconv.GEN_AI_OPERATION_NAME: urls.OPERATION[api], semconv.GEN_AI_REQUEST_MODEL: model,
+             semconv.GEN_AI_SYSTEM: _SYSTEMS[library]}
+    if content_on():
+        content.append(True)
+        try:
+            attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_INPUTS[api](body))
+        except Exception:
+            log.debug("lightspan: could not read the request's messages", exc_info=True)
+    return attrs
+
+
+def _open(call: Call, body: dict, library: str, instance=None) -> bool:
+    """Pick the call's span (or await the client's: :meth:`Call.settle`); True when the span
+    records the messages lightspan reads."""
+    content: list = []
     model = str(body.get("model") or "")
-
-    def start_attributes() -> dict:
-        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
-                 semconv.GEN_AI_SYSTEM: _SYSTEMS[library]}
-        if content_on():
-            content.append(True)
-            try:
-                attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_INPUTS[call.api](body))
-            except Exception:
-                log.debug("lightspan: could not read the request's messages", exc_info=True)
-        return attrs
-
-    call.span, call.owned = spans.target(f"{op} {model}".strip(), start_attributes)
+    # (a partial, not a closure over the call: the call must not be part of a reference cycle, or its
+    # answer's data would wait for the garbage collector)
+    call.start = functools.partial(_start_attributes, call.api, library, model, body, content)
+    call.name = f"{urls.OPERATION[call.api]} {model}".strip()
+    call.span, call.owned = spans.target(call.name, call.start, _adopts(library, call.api, instance))
+    if call.span is None:
+        call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
+        return content_on()
     return bool(content)
 
 
@@ -299,9 +368,9 @@ def prepare(library: str, instance, args, kwargs):
         return None, kwargs
     raw = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
     base = _base_url_text(instance)
-    url = urls.join(base, path)
+    captured, agl = _route(base, path, raw, os.environ.get("AGL_OPENAI_BASE_URL", ""))
     options = kwargs.get("options")
-    if not urls.is_capture_url(url, raw):
+    if not captured:
         return _not_captured(library, api, base, raw, body, options, kwargs)
     stream = bool(kwargs.get("stream") or body.get("stream"))
     extra = options.get("extra_json") if isinstance(options, dict) else None
@@ -317,10 +386,10 @@ def prepare(library: str, instance, args, kwargs):
             call.path = chat_path
         else:
             kwargs["path"] = chat_path
-    if api != urls.MESSAGES and _agl(url):
+    if api != urls.MESSAGES and agl:
         call.cap.caller_ids = call.cap.caller_logprobs = True
-    content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library)
-    if content and (call.converted or api in (urls.CHAT, urls.TEXT_COMPLETION)):
+    content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance)
+    if content and ((call.converted and not stream) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
         call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
     return call, kwargs
 

@@ -281,6 +281,27 @@ class Capture:
             if reason:
                 c.finish_reason = reason
 
+    def add_token(self, choice: dict) -> bool:
+        """:meth:`add_json` of a stream chunk whose one choice is choice 0, once it has started, with
+        no prompt ids and no finish reason (nearly every chunk; nothing hidden): False, reading
+        nothing, for any other."""
+        c = self.choices.get(0)
+        if c is None or not self._chat:
+            return False
+        self.fed += 1
+        ids = choice.get("token_ids")
+        if ids is not None:
+            c.ids += ids
+        lp = choice.get("logprobs")
+        if lp is not None:
+            content = lp.get("content")
+            if content:
+                if len(content) == 1:
+                    c.logprobs.append(content[0].get("logprob"))
+                else:
+                    c.logprobs += [t.get("logprob") for t in content]
+        return True
+
     def status(self) -> str:
         if not self.parsed:
             return "unparsed_response"

@@ -90,6 +90,16 @@ class AnthropicCapture:
 
     def events(self, chunk: dict) -> list[tuple[str, dict]]:
         """The Anthropic events of one chat completion chunk (its ids read first)."""
+        choices = chunk.get("choices")
+        if type(choices) is list and len(choices) == 1 and self.stream.block == "text":
+            # the usual chunk, one text token in an open text block: read and converted in one pass
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            text = delta.get("content") if type(delta) is dict else None
+            if (text and type(text) is str and not delta.get("reasoning") and not delta.get("tool_calls")
+                    and choice.get("finish_reason") is None and not choice.get("index")
+                    and chunk.get("prompt_token_ids") is None and self.chat.add_token(choice)):
+                return self.stream.text(text)
         self.chat.add_json(chunk)
         out = self.stream.feed(chunk)
         for name, data in out:

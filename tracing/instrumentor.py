@@ -93,7 +93,10 @@ def read(call: Call, raw):
                 call.output.add(data)
             if call.converted:
                 if not call.stream and "choices" in data:   # (a converted stream's chunks: ConvertedDecoder)
-                    return call.cap.message(data)
+                    message = call.cap.message(data)
+                    if call.adopted:   # the client ends its span of the call once it has read this
+                        call.finish(True)
+                    return message
             else:
                 call.cap.add_json(data, True)
         except Exception:
@@ -183,6 +186,7 @@ def _sync_post(library: str, wrapped, instance, args, kwargs):
                 resp = wrapped(*args, **kwargs)
             finally:
                 FEEDING.reset(token)
+                call.settle()
     except BaseException as exc:
         _failed(call, exc)
         raise
@@ -213,6 +217,7 @@ async def _async_post(library: str, wrapped, instance, args, kwargs):
                 resp = await wrapped(*args, **kwargs)
             finally:
                 FEEDING.reset(token)
+                call.settle()
     except BaseException as exc:
         _failed(call, exc)
         raise

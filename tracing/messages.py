@@ -248,3 +248,18 @@ def anthropic_input(body: dict) -> list:
                 _append(messages, role, [{"type": str(kind), "content": {k: v for k, v in block.items()
                                                                           if k != "source"}}])
     return messages
+
+
+def anthropic_stream_output(blocks: list, stop_reason: str | None) -> list:
+    """The assistant turn of a converted Anthropic stream (``MessageStream.content()``), as
+    :class:`ChatOutput` gives it for the chat chunks it was converted from."""
+    parts = []
+    for kind, block, text in blocks:
+        if kind == "thinking" and text:
+            parts.append({"type": "reasoning", "content": text})
+        elif kind == "text" and text:
+            parts.append({"type": "text", "content": text})
+        elif kind == "tool_use":
+            parts.append({"type": "tool_call", "id": block.get("id"), "name": block.get("name"),
+                          "arguments": _arguments(text)})
+    return [{"role": "assistant", "parts": parts, "finish_reason": stop_reason}]

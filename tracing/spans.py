@@ -8,13 +8,16 @@ The instrumentor records on the LLM span that describes the call:
    and asked the instrumentations below it to stand aside (traceloop's LangChain instrumentation
    starts ``ChatOpenAI.chat``, detaches it and sets ``suppress_language_model_instrumentation``),
    the LLM span most recently started in this context, if it is still open and holds no capture;
-3. else a GenAI span of its own (:func:`open_span`).
+3. else, for a client library that starts the call's LLM span itself inside the call (the
+   ``anthropic`` SDK's ``anthropic.messages.create`` span, on by default in anthropic 2.x), that
+   span, adopted as it starts (:meth:`Nesting.on_start`): a second span of the same call would
+   cost the agent more than the capture itself (bench/capture_overhead.py);
+4. else a GenAI span of its own (:func:`open_span`; also when a span to adopt never started).
 
 Nested LLM spans of one call are marked ``capture.status=duplicate`` with ``capture.duplicate_of``
 = the span that carries the ids: the spans enclosing the recorded one (both OpenAI
 instrumentations installed, or a framework's span around the client's), an LLM span that a
-client library starts inside lightspan's own span (the ``anthropic`` SDK's built-in
-``anthropic.messages.create`` span), and traceloop's ``openai.response`` span, which its Responses
+client library starts inside lightspan's own span, and traceloop's ``openai.response`` span, which its Responses
 wrapper starts only after the call returned, beside lightspan's span instead of around it.
 Seeing those spans start needs a span processor on the SDK tracer provider (:class:`Nesting`,
 added at ``instrument()``); with no SDK there are no spans to mark.
@@ -76,6 +79,8 @@ class Nesting(SpanProcessor):
         # the hex id of lightspan's span of the Responses call that just returned here (the span may be
         # gone by then: it has ended): traceloop's span of the call starts next
         self.responses_call: contextvars.ContextVar = contextvars.ContextVar("lightspan_responses_call", default=None)
+        # the call whose LLM span the client library starts itself, during the call (docstring, 3.)
+        self.adopting: contextvars.ContextVar = contextvars.ContextVar("lightspan_adopting", default=None)
         self.active = True
 
     def pending_llm_span(self):
@@ -97,12 +102,22 @@ class Nesting(SpanProcessor):
             self.last_started.set(weakref.ref(span))
         except TypeError:  # a span type that cannot be weakly referenced
             return
+        call = self.adopting.get()
+        if call is not None and is_llm_span(span):
+            self.adopting.set(None)
+            self._nest(span, parent_context)
+            call.adopt(span)
+            mark_enclosing(span)
+            return
         ours = self.responses_call.get()
         if ours is not None:
             self.responses_call.set(None)
             if getattr(span, "name", None) == TRACELOOP_RESPONSES_SPAN:
                 mark_duplicate(span, ours)
                 return
+        self._nest(span, parent_context)
+
+    def _nest(self, span, parent_context) -> None:
         parent = trace.get_current_span(parent_context)
         if not parent.is_recording():
             return
@@ -162,17 +177,19 @@ def _tracer():
     return _TRACER[1]
 
 
-def open_span(name: str, attributes: dict):
-    """A GenAI client span of lightspan's own for one call (docstring, 3.)."""
-    span = _tracer().start_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes)
+def open_span(name: str, attributes: dict, start_time: int | None = None):
+    """A GenAI client span of lightspan's own for one call (docstring, 4.); ``start_time`` (ns) for
+    one opened after the call began."""
+    span = _tracer().start_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes, start_time=start_time)
     NESTING.owned.add(span)
     mark_enclosing(span)  # an LLM span further up (under a framework's own span) describes this call too
     return span
 
 
-def target(name: str, attributes):
+def target(name: str, attributes, adopt: bool = False):
     """(span to record on, whether lightspan opened it) for one call; ``attributes()`` gives a
-    span of our own its start attributes (built only then)."""
+    span of our own its start attributes (built only then). ``adopt``: the client library starts
+    the call's span itself (docstring, 3.): (None, False), and the call's span is adopted then."""
     current = trace.get_current_span()
     if is_llm_span(current):
         mark_enclosing(current)
@@ -181,4 +198,6 @@ def target(name: str, attributes):
     if pending is not None:
         mark_enclosing(pending)
         return pending, False
+    if adopt:
+        return None, False
     return open_span(name, attributes()), True

@@ -106,3 +106,93 @@ def test_chat_chunks_become_the_event_stream():
             ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
                                "usage": {"input_tokens": 7, "output_tokens": 5}}),
             ("message_stop", {"type": "message_stop"})]]
+
+
+def _random_stream(rng) -> list:
+    """A chat stream as vLLM sends it with ids and logprobs: text, reasoning and tool calls (each
+    one's arguments right after it, as vLLM's tool parsers send them) in a random order, some chunks
+    with two tokens, a finish, the usage chunk."""
+    deltas = [{"role": "assistant", "content": ""}]
+    tool = 0
+    for _ in range(rng.randint(1, 30)):
+        kind = rng.choice(["text"] * 6 + ["reasoning", "tool", "empty"])
+        if kind == "text":
+            deltas.append({"content": rng.choice(["a", "b c", "é", "\n"])})
+        elif kind == "reasoning":
+            deltas.append({"reasoning": "hm"})
+        elif kind == "tool":
+            tool += 1
+            deltas.append({"tool_calls": [{"index": tool - 1, "id": f"t{tool}", "function": {"name": "add", "arguments": ""}}]})
+            deltas += [{"tool_calls": [{"index": tool - 1, "function": {"arguments": part}}]}
+                       for part in rng.choice([['{"a": 1}'], ['{"a"', ': 2}'], []])]
+        else:
+            deltas.append({"content": ""})
+    chunks = []
+    for i, delta in enumerate(deltas):
+        chunk = _chunk(delta)
+        n = rng.choice([1, 1, 1, 2])
+        if i == 0:
+            chunk["prompt_token_ids"] = [1, 2, 3]
+        else:
+            chunk["choices"][0].update(token_ids=[100 + i] * n, logprobs={"content": [
+                {"token": "x", "logprob": -0.5 * i, "bytes": [120], "top_logprobs": []}] * n})
+        chunks.append(chunk)
+    chunks[-1]["choices"][0]["finish_reason"] = rng.choice(["stop", "length", "tool_calls"])
+    return chunks + [_chunk(usage={"prompt_tokens": 3, "completion_tokens": 9}, choices=False)]
+
+
+def _unsigned(events) -> str:
+    """The events as JSON, thinking blocks' random signatures left out."""
+    return json.dumps([(n, {**d, "delta": {k: v for k, v in d["delta"].items() if k != "signature"}}
+                        if "delta" in d else d) for n, d in events])
+
+
+def test_the_one_pass_conversion_of_a_text_chunk_is_the_general_ones():
+    """``AnthropicCapture.events`` reads and converts a one-token text chunk in one pass: the events,
+    the ids, the logprobs and the span's output messages are those of the general path's
+    (``Capture.add_json`` and ``MessageStream.feed``)."""
+    import copy
+    import random
+
+    from lightspan.tracing import messages
+    from lightspan.tracing.capture_anthropic import AnthropicCapture
+
+    body = {"model": "m", "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    rng = random.Random(11)
+    for _ in range(300):
+        chunks = _random_stream(rng)
+        fast, general = AnthropicCapture(body), AnthropicCapture(body)
+        got = [e for c in copy.deepcopy(chunks) for e in fast.events(c)] + fast.end()
+        expected = []
+        for c in copy.deepcopy(chunks):
+            general.chat.add_json(c)
+            expected += general.stream.feed(c)
+        expected += general.end()
+        assert _unsigned(got) == _unsigned(expected)
+        assert fast.attributes(1) == general.attributes(1) and fast.status() == "ok"
+        assert messages.anthropic_stream_output(fast.stream.content(), "s") == messages.anthropic_stream_output(
+            general.stream.content(), "s")
+
+
+def test_a_converted_streams_output_messages_are_its_chat_chunks():
+    """The span's output messages of a converted stream, read from the Anthropic blocks, are what
+    ``ChatOutput`` reads from the chat chunks they were converted from."""
+    import random
+
+    from lightspan.tracing import messages
+
+    rng = random.Random(5)
+    for _ in range(200):
+        chunks = [c for c in _random_stream(rng) if c.get("choices")]
+        stream, chat = MessageStream(), messages.ChatOutput()
+        for c in chunks:
+            stream.feed(c)
+            chat.add(c)
+        stream.done()
+        ours = messages.anthropic_stream_output(stream.content(), "end_turn")[0]["parts"]
+        theirs = chat.messages("end_turn")[0]["parts"]
+        # (ChatOutput joins all text, and all reasoning, into one part each; the blocks keep their order)
+        def joined(parts, kind):
+            return "".join(p["content"] for p in parts if p["type"] == kind)
+        assert joined(ours, "text") == joined(theirs, "text") and joined(ours, "reasoning") == joined(theirs, "reasoning")
+        assert [p for p in ours if p["type"] == "tool_call"] == [p for p in theirs if p["type"] == "tool_call"]

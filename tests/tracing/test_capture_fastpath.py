@@ -153,6 +153,44 @@ def test_dict_and_object_paths_agree(operation, payloads):
         assert logprobs == [[-1.25, -2.5]]
 
 
+def _responses_answers():
+    """vLLM's Responses answers (``enable_response_messages``, output-text logprobs): a text reply cut
+    at its length limit, and a completed reply with text and a function call."""
+    text = {"type": "output_text", "text": "ab", "annotations": [],
+            "logprobs": [{"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []},
+                         {"token": "b", "logprob": -1.5, "bytes": [98], "top_logprobs": []}]}
+    head = {"id": "r", "object": "response", "model": "policy", "input_messages": [
+        {"type": "raw_message_tokens", "message": "<p>", "tokens": [5, 6, 7]}]}
+    cut = {**head, "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+           "output": [{"type": "message", "role": "assistant", "content": [text]}],
+           "output_messages": [{"type": "raw_message_tokens", "message": "ab", "tokens": [40, 41]}]}
+    called = {**head, "status": "completed", "incomplete_details": None,
+              "output": [{"type": "reasoning", "content": []}, {"type": "message", "role": "assistant", "content": [text]},
+                         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+              "output_messages": [{"type": "raw_message_tokens", "message": "ab", "tokens": [40, 41]}]}
+    return [cut, called]
+
+
+@pytest.mark.parametrize("caller", [(False, False), (True, True)], ids=["hidden", "asked"])
+@pytest.mark.parametrize("answer", [0, 1], ids=["length", "tool_call"])
+def test_responses_dict_and_object_paths_agree(caller, answer):
+    """A Responses answer read from decoded JSON records what the same answer read from parsed
+    objects does, and hides the same fields."""
+    from lightspan.tracing.capture_responses import ResponsesCapture
+
+    fast, generic = (ResponsesCapture(caller_ids=caller[0], caller_logprobs=caller[1]) for _ in range(2))
+    payload, obj = _responses_answers()[answer], _as_obj(_responses_answers()[answer])
+    fast.add(payload, hide=True)
+    generic.add(obj, hide=True)
+    assert fast.status() == generic.status() == "ok"
+    assert fast.attributes(2) == generic.attributes(2) and fast.genai_attributes() == generic.genai_attributes()
+    assert fast.genai_attributes()[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == (("length",), ("tool_calls",))[answer]
+    assert semconv.decode_floats(fast.attributes()[semconv.COMPLETION_LOGPROBS][0]) == [-0.25, -1.5]
+    assert json.loads(json.dumps(obj, default=lambda o: o.__dict__)) == payload
+    assert (payload["input_messages"] is None) == (payload["output"][-1 if answer == 0 else 1]["content"][0][
+        "logprobs"] is None) == (not caller[0])
+
+
 @pytest.mark.parametrize("caller_ids,caller_logprobs", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("as_objects", [False, True])
 def test_hide_empties_only_what_the_caller_did_not_ask_for(caller_ids, caller_logprobs, as_objects):

@@ -188,9 +188,43 @@ def test_anthropic_messages(captured, how):
     assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
     assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("max_tokens",)
-    # the anthropic SDK's own span of the call is marked as this one's duplicate
-    sdk = [s for s in exporter.get_finished_spans() if s.name == "anthropic.messages.create"]
-    assert all(s.attributes[semconv.CAPTURE_DUPLICATE_OF] == format(span.context.span_id, "016x") for s in sdk)
+    # the call's one LLM span is the anthropic SDK's own, which lightspan records on: no second span
+    assert span.name == "anthropic.messages.create" and span.instrumentation_scope.name == "com.anthropic.sdk.python"
+    assert [s.name for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_OPERATION_NAME)] == [
+        span.name]
+    assert json.loads(span.attributes[semconv.GEN_AI_INPUT_MESSAGES]) == [
+        {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
+        {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    (output,) = json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])
+    assert output["role"] == "assistant" and output["finish_reason"] == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+@pytest.mark.parametrize("how", ["tracing_off", "own_provider"])
+def test_anthropic_without_a_span_to_adopt(captured, stream, how):
+    """An anthropic client whose own tracing is off, or whose spans go to a provider of its own
+    (lightspan never sees them start), gets a span of lightspan's, as with older anthropic releases."""
+    import anthropic
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter, recorder = captured
+    theirs = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(theirs))
+    option = {"traces": {"enabled": False}} if how == "tracing_off" else {"tracer_provider": provider}
+    client = anthropic.Anthropic(base_url=recorder.url, api_key="x", open_telemetry=option)
+    t0 = time.time_ns()
+    out = client.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                 stream=stream)
+    if stream:
+        assert [e.type for e in out][-1] == "message_stop"
+    (span,) = _calls(exporter)
+    assert span.name == "chat policy" and span.instrumentation_scope.name == "lightspan.instrumentor"
+    assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and span.start_time >= t0
+    assert span.attributes[semconv.GEN_AI_INPUT_MESSAGES]
+    assert [s.name for s in theirs.get_finished_spans()] == ([] if how == "tracing_off" else ["anthropic.messages.create"])
 
 
 WEATHER = [{"name": "get_weather", "description": "Get the weather.", "input_schema": TOOL_PARAMS}]
@@ -406,7 +440,8 @@ def test_every_protocol_records_the_policy_that_served_the_call(captured, monkey
         _openai(recorder).responses.create(**responses)
         _anthropic(recorder).messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     spans = _calls(exporter)
-    assert [s.instrumentation_scope.name == "lightspan.instrumentor" for s in spans][1:] == [True, True]
+    # (traceloop's span of the chat call, lightspan's of the Responses call, the anthropic SDK's own)
+    assert [s.instrumentation_scope.name for s in spans][1:] == ["lightspan.instrumentor", "com.anthropic.sdk.python"]
     for span in spans:
         assert span.attributes[semconv.CAPTURE_STATUS] in ("ok", "no_logprobs"), span.attributes
         assert (span.attributes[semconv.POLICY_NAME], span.attributes[semconv.MODEL_VERSION]) == ("policy", 3)
