@@ -64,6 +64,11 @@ def content_on() -> bool:
             and env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower() != "false")
 
 
+# what the client library's own span of a call records itself (the anthropic SDK's)
+_LIBRARY_RECORDS = frozenset({semconv.GEN_AI_OPERATION_NAME, semconv.GEN_AI_REQUEST_MODEL, semconv.GEN_AI_RESPONSE_MODEL,
+                              semconv.GEN_AI_USAGE_INPUT_TOKENS, semconv.GEN_AI_USAGE_OUTPUT_TOKENS})
+
+
 class Call:
     """A call being captured: its capture, its span, and what its answer's reader needs."""
 
@@ -159,10 +164,12 @@ class Call:
                     attrs[semconv.POLICY_NAME] = policy
             else:
                 attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
-            if self.adopted and cap.readable:
-                attrs.update(self.start())   # the library's span has the request's, not ours
-            if (self.owned or self.adopted) and cap.readable:
+            if self.adopted and cap.readable:   # the library's span: what it does not record itself
+                attrs.update(item for item in self.start().items() if item[0] not in _LIBRARY_RECORDS)
+                attrs.update(item for item in cap.genai_attributes().items() if item[0] not in _LIBRARY_RECORDS)
+            elif self.owned and cap.readable:
                 attrs.update(cap.genai_attributes())
+            if (self.owned or self.adopted) and cap.readable:
                 out = self._output()
                 if out is not None:
                     attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = messages.dumps(out)

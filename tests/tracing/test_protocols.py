@@ -190,6 +190,10 @@ def test_anthropic_messages(captured, how):
     assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("max_tokens",)
     # the call's one LLM span is the anthropic SDK's own, which lightspan records on: no second span
     assert span.name == "anthropic.messages.create" and span.instrumentation_scope.name == "com.anthropic.sdk.python"
+    # (the model and the usage as the SDK records them, of the message lightspan converted)
+    prompt, completion, _ = _stored(span)
+    assert (span.attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS], span.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS],
+            span.attributes[semconv.GEN_AI_RESPONSE_MODEL]) == (len(prompt), len(completion), "policy")
     assert [s.name for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_OPERATION_NAME)] == [
         span.name]
     assert json.loads(span.attributes[semconv.GEN_AI_INPUT_MESSAGES]) == [
