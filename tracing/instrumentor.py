@@ -29,9 +29,11 @@ span an instrumentation opened around the call, so the attributes land on it (:m
    decoded by lightspan (:mod:`.streams`): the caller's stream object is the same one, and the ids
    are recorded when it ends; one abandoned early keeps ``capture.status=stream_incomplete``;
 5. when no LLM span describes the call (no instrumentation of the client installed; traceloop's
-   Responses wrapper, which starts its span only after the call; the ``anthropic`` client), it
-   opens a GenAI span of its own, with the call's messages in the GenAI shape (:mod:`.messages`:
-   tool calls and their results included), and marks the other spans of the call ``duplicate``;
+   Responses wrapper, which starts its span only after the call), it records on the span the
+   client opens for the call itself (the ``anthropic`` SDK's, adopted as it starts), else opens a
+   GenAI span of its own; either way with the call's messages in the GenAI shape
+   (:mod:`.messages`: tool calls and their results included). The other spans of the call are
+   marked ``duplicate`` (:mod:`.spans`);
 6. raw responses (``with_raw_response``, as LangChain's ``ChatOpenAI`` calls; ``client.post`` with
    the raw-response header, as LiteLLM calls) are parsed through their own cache, so the caller
    gets the same object; ``with_streaming_response`` streams (the OpenAI Agents SDK's) likewise;
