@@ -78,7 +78,7 @@ class Call:
         self.library, self.api, self.cap, self.stream, self.converted = library, api, cap, stream, converted
         self.span, self.owned, self.output, self.ended, self.path = None, False, None, False, None
         self.adopted = False
-        self.deferred = None   # (adopting's reset token, start ns, span name) while a span to adopt is awaited
+        self.deferred = None   # (adopting's reset token, start ns) while the span to adopt is awaited
         self.start = None      # the start attributes of a span of our own (a function)
         self.name = None       # a span of our own's name
         self.content = False   # whether the span records the messages
@@ -247,10 +247,19 @@ def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, inst
     return Call(library, api, Capture.for_request(asked, api), stream), with_capture(body, api)
 
 
-def _adopts(library: str, api: str, instance) -> bool:
-    """Whether the client starts the call's LLM span itself, during the call: the ``anthropic``
-    client with its tracing on (2.x; a client's ``_tracer`` is None when it is off)."""
-    return api == urls.MESSAGES and getattr(instance, "_tracer", None) is not None
+def _adopts(call: "Call", instance, options) -> bool:
+    """Whether the client starts the call's LLM span itself, during the call, and keeps it open
+    until lightspan has read the answer: the ``anthropic`` client with its tracing on (2.x; a
+    client's ``_tracer`` is None when it is off), but for ``with_streaming_response`` of a call
+    that does not stream (the SDK ends its span as the body is read, before ``parse()`` decodes it)."""
+    if call.api != urls.MESSAGES or getattr(instance, "_tracer", None) is None:
+        return False
+    headers = options.get("headers") if isinstance(options, dict) else None
+    raw = headers.get(_RAW_RESPONSE_HEADER) if isinstance(headers, dict) else None
+    return call.stream or raw != "stream"
+
+
+_RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_raw/streaming_response
 
 
 def _start_attributes(api: str, library: str, model: str, body: dict, content: list) -> dict:
@@ -266,7 +275,7 @@ def _start_attributes(api: str, library: str, model: str, body: dict, content: l
     return attrs
 
 
-def _open(call: Call, body: dict, library: str, instance=None) -> bool:
+def _open(call: Call, body: dict, library: str, instance=None, options=None) -> bool:
     """Pick the call's span (or await the client's: :meth:`Call.settle`); True when the span
     records the messages lightspan reads."""
     content: list = []
@@ -275,7 +284,7 @@ def _open(call: Call, body: dict, library: str, instance=None) -> bool:
     # answer's data would wait for the garbage collector)
     call.start = functools.partial(_start_attributes, call.api, library, model, body, content)
     call.name = f"{urls.OPERATION[call.api]} {model}".strip()
-    call.span, call.owned = spans.target(call.name, call.start, _adopts(library, call.api, instance))
+    call.span, call.owned = spans.target(call.name, call.start, _adopts(call, instance, options))
     if call.span is None:
         call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
         return content_on()
@@ -313,7 +322,7 @@ def prepare(library: str, instance, args, kwargs):
             kwargs["path"] = chat_path
     if api != urls.MESSAGES and agl:
         call.cap.caller_ids = call.cap.caller_logprobs = True
-    content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance)
+    content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance, options)
     if content and ((call.converted and not stream) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
         call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
     return call, kwargs

@@ -144,12 +144,14 @@ def _parse(resp, call: Call):
 
     ``with_raw_response`` (LangChain's ``ChatOpenAI``) and ``client.post(...)`` with the raw-response
     header (LiteLLM) give openai's ``LegacyAPIResponse``: its body is read, parsing it is free. Of
-    the newer ``APIResponse`` (``with_streaming_response``: the OpenAI Agents SDK's streams) only a
-    stream is parsed: that builds the Stream without reading it; a body is left to the caller."""
+    the newer ``APIResponse`` (``with_streaming_response``: the OpenAI Agents SDK's streams;
+    anthropic's ``with_raw_response``) a stream is parsed: that builds the Stream without reading
+    it; so is a converted Anthropic call's body, which must become the Anthropic message on its way;
+    any other body is left to the caller."""
     legacy, streaming = _RAW[call.library]()
     if legacy is not None and isinstance(resp, legacy):
         return True
-    return call.stream and isinstance(resp, streaming)
+    return (call.stream or call.converted) and isinstance(resp, streaming)
 
 
 def _finish(resp, call: Call, parsed=None):

@@ -163,12 +163,22 @@ def test_responses_api(captured, how):
     assert span.instrumentation_scope.name == "lightspan.instrumentor"
 
 
-@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_response"])
+@pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_response", "raw_response",
+                                 "streaming_response", "async_raw_response"])
 def test_anthropic_messages(captured, how):
     exporter, recorder = captured
     kwargs = dict(model="policy", max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "hi"}])
     if how == "response":
         message = _anthropic(recorder).messages.create(**kwargs)
+    elif how == "raw_response":   # the body is parsed by the caller, after the call returned
+        message = _anthropic(recorder).messages.with_raw_response.create(**kwargs).parse()
+    elif how == "streaming_response":
+        with _anthropic(recorder).messages.with_streaming_response.create(**kwargs) as response:
+            message = response.parse()
+    elif how == "async_raw_response":
+        async def call():
+            return await (await _anthropic(recorder, True).messages.with_raw_response.create(**kwargs)).parse()
+        message = asyncio.run(call())
     elif how == "stream":
         events = list(_anthropic(recorder).messages.create(**kwargs, stream=True))
         assert [e.type for e in events][:1] == ["message_start"] and events[-1].type == "message_stop"
@@ -188,14 +198,21 @@ def test_anthropic_messages(captured, how):
     assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert span.attributes[semconv.CAPTURE_STATUS] == "ok" and _stored(span) == vllm_returned(exchange)
     assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("max_tokens",)
+    llm = [s for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_OPERATION_NAME)]
+    if how == "streaming_response":
+        # (the SDK ends its span as the body is read, before parse() decodes it: a span of lightspan's
+        # holds the call, the SDK's inside it is marked as its duplicate)
+        (sdk,) = [s for s in llm if s is not span]
+        assert sdk.attributes[semconv.CAPTURE_DUPLICATE_OF] == format(span.context.span_id, "016x")
+        assert span.instrumentation_scope.name == "lightspan.instrumentor"
+        return
     # the call's one LLM span is the anthropic SDK's own, which lightspan records on: no second span
     assert span.name == "anthropic.messages.create" and span.instrumentation_scope.name == "com.anthropic.sdk.python"
     # (the model and the usage as the SDK records them, of the message lightspan converted)
     prompt, completion, _ = _stored(span)
     assert (span.attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS], span.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS],
             span.attributes[semconv.GEN_AI_RESPONSE_MODEL]) == (len(prompt), len(completion), "policy")
-    assert [s.name for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_OPERATION_NAME)] == [
-        span.name]
+    assert [s.name for s in llm] == [span.name]
     assert json.loads(span.attributes[semconv.GEN_AI_INPUT_MESSAGES]) == [
         {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
         {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
