@@ -154,56 +154,6 @@ class ResponsesCapture:
                         _set(part, "logprobs", None)
 
     def _response(self, response, hide: bool) -> None:
-        if type(response) is dict:
-            self._response_json(response, hide)
-            return
-        self._response_object(response, hide)
-
-    def _response_json(self, response: dict, hide: bool) -> None:
-        """:meth:`_response_object` with plain dict lookups (a decoded answer, the usual case)."""
-        self.parsed = self.done = True
-        self.response = response
-        self.model = response.get("model") or self.model
-        inputs, outputs = response.get("input_messages"), response.get("output_messages")
-        if inputs and type(inputs) is list and type(inputs[0]) is dict:
-            tokens = inputs[0].get("tokens")
-            if type(tokens) is list and self.prompt is None:
-                self.prompt = tokens
-                self.packed_prompt = _packed(tokens)
-        if outputs and type(outputs) is list and type(outputs[0]) is dict:
-            self.turns = len(outputs)
-            tokens = outputs[0].get("tokens")
-            if type(tokens) is list and self.completion is None:
-                self.completion = tokens
-        output = response.get("output") or ()
-        status = response.get("status")
-        details = response.get("incomplete_details")
-        if status == "incomplete" and type(details) is dict and details.get("reason") == "max_output_tokens":
-            self.finish_reason = "length"
-        elif status == "completed":
-            calls = any(type(i) is dict and i.get("type") == "function_call" for i in output)
-            self.finish_reason = "tool_calls" if calls else "stop"
-        elif status:
-            self.finish_reason = str(status)
-        logprobs = []
-        strip = hide and not self.caller_logprobs
-        for item in output:
-            if type(item) is not dict or item.get("type") != "message":
-                continue
-            for part in item.get("content") or ():
-                if type(part) is not dict or part.get("type") != "output_text":
-                    continue
-                entries = part.get("logprobs")
-                if entries:
-                    logprobs += [e.get("logprob") if type(e) is dict else _get(e, "logprob") for e in entries]
-                if strip:
-                    part["logprobs"] = None
-        self.logprobs = logprobs
-        if hide and not self.caller_ids:
-            response["input_messages"] = None
-            response["output_messages"] = None
-
-    def _response_object(self, response, hide: bool) -> None:
         self.parsed = self.done = True
         self.response = response
         self.model = _get(response, "model") or self.model
