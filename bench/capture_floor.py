@@ -68,12 +68,7 @@ def _span_call(tracer, client, prompt: str, tokens: int) -> None:
                  [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]).decode()}
     span = tracer.start_span(f"chat {co.MODEL}", kind=trace.SpanKind.CLIENT, attributes=start)
     with trace.use_span(span, end_on_exit=False):
-        _DECODED[:] = [None]
-        try:
-            co._call(client, prompt, tokens, False, api="responses", extra_body=_CAPTURE_FIELDS)
-            inputs, outputs, parts = _DECODED[0]
-        finally:
-            _DECODED.clear()
+        inputs, outputs, parts = _data_call(client, prompt, tokens)
     logprobs = [e["logprob"] for lps in parts for e in lps or ()]
     span.set_attributes({
         semconv.CAPTURE_STATUS: "ok", semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(inputs[0]["tokens"]),
@@ -87,10 +82,13 @@ def _span_call(tracer, client, prompt: str, tokens: int) -> None:
     span.end()
 
 
-def _data_call(client, prompt: str, tokens: int) -> None:
+def _data_call(client, prompt: str, tokens: int) -> tuple:
+    """The ``data`` arm: one call asking for the capture's fields; (input messages, output messages,
+    the output parts' logprobs) of its decoded answer."""
     _DECODED[:] = [None]
     try:
         co._call(client, prompt, tokens, False, api="responses", extra_body=_CAPTURE_FIELDS)
+        return _DECODED[0]
     finally:
         _DECODED.clear()
 

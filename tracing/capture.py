@@ -129,6 +129,16 @@ def _clear(obj, name: str) -> None:
         obj.__pydantic_extra__[name] = None
 
 
+def _chat_logprobs(c: "_Choice", lp: dict) -> None:
+    """Append a decoded chat choice's ``logprobs.content`` logprobs to ``c``."""
+    content = lp.get("content")
+    if content:
+        if len(content) == 1:  # a stream chunk: one token
+            c.logprobs.append(content[0].get("logprob"))
+        else:
+            c.logprobs += [t.get("logprob") for t in content]
+
+
 class _Choice:
     __slots__ = ("ids", "logprobs", "finish_reason", "prompt")
 
@@ -267,12 +277,7 @@ class Capture:
             lp = choice.get("logprobs")
             if lp is not None:
                 if chat:
-                    content = lp.get("content")
-                    if content:
-                        if len(content) == 1:  # a stream chunk: one token
-                            c.logprobs.append(content[0].get("logprob"))
-                        else:
-                            c.logprobs += [t.get("logprob") for t in content]
+                    _chat_logprobs(c, lp)
                 else:
                     c.logprobs += lp.get("token_logprobs") or ()
                 if hide_logprobs:
@@ -294,12 +299,7 @@ class Capture:
             c.ids += ids
         lp = choice.get("logprobs")
         if lp is not None:
-            content = lp.get("content")
-            if content:
-                if len(content) == 1:
-                    c.logprobs.append(content[0].get("logprob"))
-                else:
-                    c.logprobs += [t.get("logprob") for t in content]
+            _chat_logprobs(c, lp)
         return True
 
     def status(self) -> str:
