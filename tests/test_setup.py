@@ -34,6 +34,8 @@ def _setup(script: Path, vllm_venv: Path) -> subprocess.CompletedProcess:
 
 def test_no_room_for_vllm_is_refused_before_pip_starts(small_disk):
     # the checkout's .venv is there: only vLLM's environment is still to install
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("the checkout has no .venv (scripts/test.sh makes it)")
     out = _setup(ROOT / "scripts" / "setup.sh", small_disk / "cache" / "vllm")
     assert out.returncode == 1, out
     assert f"{small_disk / 'cache' / 'vllm'} needs about 4 GB free on the filesystem of {small_disk}, and" in out.stderr
