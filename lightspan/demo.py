@@ -76,6 +76,7 @@ class DemoConfig:
     http_port: int = option(4318, "Collector OTLP/HTTP port.")
     api_port: int = option(8321, "Collector API port (flush, metrics).")
     vllm_port: int = option(8000, "vLLM port.")
+    metrics_port: int = option(0, "Port of the trainer's Prometheus /metrics endpoint; 0 picks a free one, logged at start.")
 
     def __post_init__(self):
         for name in ("steps", "tasks_per_step", "val_tasks", "concurrency"):
@@ -122,7 +123,8 @@ def preset(cfg: DemoConfig, tasks_dir: Path) -> ExperimentConfig:
         # the agent uses the plain openai client: where the examples' LangChain instrumentation is
         # installed too, it is skipped (it costs each agent process ~1 s of start-up importing langchain)
         disabled_instrumentations="langchain",
-        grpc_port=cfg.grpc_port, http_port=cfg.http_port, api_port=cfg.api_port, vllm_port=cfg.vllm_port)
+        grpc_port=cfg.grpc_port, http_port=cfg.http_port, api_port=cfg.api_port, vllm_port=cfg.vllm_port,
+        metrics_port=cfg.metrics_port)
 
 
 def run(cfg: DemoConfig) -> int:

@@ -127,6 +127,8 @@ class ExperimentConfig:
     grpc_port: int = option(0, "Collector OTLP/gRPC port; 0 picks a free one.")
     http_port: int = option(0, "Collector OTLP/HTTP port; 0 picks a free one.")
     api_port: int = option(0, "Collector API port; 0 picks a free one.")
+    metrics_port: int = option(0, "Port of the trainer's Prometheus /metrics endpoint (lightspan train "
+                                  "--metrics-port); 0 picks a free one, logged at start.")
 
     def __post_init__(self):
         if not self.agent:
@@ -247,11 +249,13 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
     val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
     val_file = write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
     ports = {k: getattr(cfg, f"{k}_port", 0) or _free_port() for k in ("grpc", "http", "api", "vllm", "metrics")}
+    log.info("trainer metrics: http://127.0.0.1:%d/metrics", ports["metrics"])
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
     if cfg.disabled_instrumentations:
         env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = cfg.disabled_instrumentations
     results = {"name": cfg.name or Path(agent[-1]).resolve().parent.name, "model": model_dir.name,
-               "agent": " ".join(agent), "data_dir": str(data), "train": [], "val": [], "config": asdict(cfg)}
+               "agent": " ".join(agent), "data_dir": str(data), "ports": ports, "train": [], "val": [],
+               "config": asdict(cfg)}
 
     with ExitStack() as stack:
         vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages), stages, data, model_dir, ports)

@@ -18,6 +18,7 @@ import pytest
 
 from lightspan import store
 from lightspan.runs import TrainerQueue
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,11 +78,13 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"id": f"v{i}", "prompt": f"Say {i}", "max_tokens": 8}) + "\n" for i in range(2)))
     data = tmp_path / "data"
+    metrics_port = free_port()
     subprocess.run([sys.executable, "-m", "lightspan.cli", "experiment", "--agent",
                     str(ROOT / "tests" / "agents" / "letters_agent.py"), "--train-tasks", str(tasks),
                     "--val-tasks", str(val), "--steps", "4", "--tasks-per-step", "2", "--samples", "3",
                     "--max-staleness", "1", "--learning-rate", "1e-3", "--vllm-url", vllm_server.url,
-                    "--model", str(tiny_model), "--data-dir", str(data), "--out-dir", str(tmp_path / "out"), *lora],
+                    "--model", str(tiny_model), "--data-dir", str(data), "--out-dir", str(tmp_path / "out"),
+                    "--metrics-port", str(metrics_port), *lora],
                    check=True, stdout=subprocess.DEVNULL)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["step"] for r in results["train"]] == [1, 2, 3, 4] and all(r["trained"] for r in results["train"])
@@ -97,3 +100,6 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
     assert diffs and all(d is not None and d < 1e-3 for (d,) in diffs), diffs
     if lora:
         assert store.policy.read(data).path.endswith("/merged")
+    # the trainer's metrics were served on the port asked for (--metrics-port)
+    assert results["ports"]["metrics"] == metrics_port
+    assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in (data / "logs" / "trainer.log").read_text()
