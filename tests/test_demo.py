@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import subprocess
 import sys
 import tomllib
+import typing
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from lightspan import demo
-from lightspan.experiment import agent_command
+from lightspan.config import ConfigError
+from lightspan.experiment import ExperimentConfig, agent_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,3 +73,31 @@ def test_a_wheel_installed_lightspan_finds_the_demo_agent(tmp_path):
     assert package.is_relative_to(site), package                  # the wheel's lightspan, not the checkout's
     assert agent == site / "lightspan" / "agents" / "math_agent.py"
     assert agent.read_bytes() == (ROOT / "lightspan" / "agents" / "math_agent.py").read_bytes()
+
+
+def test_the_demo_takes_the_experiments_options_with_its_own_defaults():
+    """DemoConfig is derived from ExperimentConfig: each option but val_tasks (a count here) is the
+    experiment's, with its type, help and choices; the demo's defaults are its own."""
+    experiment = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+    types, demo_types = typing.get_type_hints(ExperimentConfig), typing.get_type_hints(demo.DemoConfig)
+    for f in dataclasses.fields(demo.DemoConfig):
+        if f.name == "val_tasks":
+            assert demo_types[f.name] is int and f.metadata["help"]
+            continue
+        assert demo_types[f.name] is types[f.name]
+        assert f.metadata["help"].startswith(experiment[f.name].metadata["help"])
+        assert f.metadata["choices"] == experiment[f.name].metadata["choices"]
+    assert dataclasses.asdict(demo.DemoConfig()) == {
+        "data_dir": "./lightspan-data/demo", "model": "", "steps": 15, "tasks_per_step": 4, "samples": 8,
+        "val_tasks": 48, "concurrency": 32, "lora_r": 16, "lora_serving": "merged", "learning_rate": 3e-4,
+        "beta": 0.0, "max_staleness": 1, "entropy_floor": 0.2, "trainer_threads": 0, "temperature": 0.7, "seed": 0,
+        "grpc_port": 4317, "http_port": 4318, "api_port": 8321, "vllm_port": 8000, "metrics_port": 0}
+    # every option is on the command line with its help and its demo default
+    out = subprocess.run([sys.executable, "-m", "lightspan.cli", "demo", "--help"], check=True, text=True,
+                         capture_output=True, env={**os.environ, "COLUMNS": "1000"}).stdout
+    text = " ".join(out.split())
+    for f in dataclasses.fields(demo.DemoConfig):
+        flag = f"--{f.name.replace('_', '-')} {f.name.upper()}"
+        assert f"{flag} {f.metadata['help']} (default: {f.default!r};" in text, flag
+    with pytest.raises(ConfigError, match="demo.val_tasks"):
+        demo.DemoConfig(val_tasks=0)
