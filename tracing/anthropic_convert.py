@@ -191,20 +191,19 @@ def to_chat(body: dict) -> dict:
 
 
 def usage(chat_usage) -> dict:
-    """Anthropic usage from chat usage: ``input_tokens`` leaves out the cached prompt tokens."""
+    """Anthropic usage from chat usage: ``input_tokens`` leaves out the cached prompt tokens. The two
+    cache counts are always there, 0 when unused, as Anthropic's API sends them (agents add them up as
+    ints; vLLM's own ``/v1/messages`` leaves them out, which such an agent cannot survive)."""
+    out = {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
     if not chat_usage:
-        return {"input_tokens": 0, "output_tokens": 0}
-    out = {"output_tokens": chat_usage.get("completion_tokens") or 0}
+        return out
+    out["output_tokens"] = chat_usage.get("completion_tokens") or 0
     prompt = chat_usage.get("prompt_tokens") or 0
-    details = chat_usage.get("prompt_tokens_details")
-    if details:
-        if details.get("cached_tokens") is not None:
-            prompt -= details["cached_tokens"]
-            out["cache_read_input_tokens"] = details["cached_tokens"]
-        if details.get("created_cache_tokens") is not None:
-            prompt -= details["created_cache_tokens"]
-            out["cache_creation_input_tokens"] = details["created_cache_tokens"]
-    return {"input_tokens": max(0, prompt), **out}
+    details = chat_usage.get("prompt_tokens_details") or {}
+    out["cache_read_input_tokens"] = details.get("cached_tokens") or 0
+    out["cache_creation_input_tokens"] = details.get("created_cache_tokens") or 0
+    out["input_tokens"] = max(0, prompt - out["cache_read_input_tokens"] - out["cache_creation_input_tokens"])
+    return out
 
 
 def stop_reason(finish_reason, stop, tool_used: bool, tool_complete: bool) -> tuple[str | None, str | None]:

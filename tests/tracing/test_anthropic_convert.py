@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightspan.tracing.anthropic_convert import MessageStream, Unsupported, to_chat, to_message
+from lightspan.tracing.anthropic_convert import MessageStream, Unsupported, to_chat, to_message, usage
 
 TOOL = {"name": "add", "description": "Add.", "input_schema": {"properties": {"a": {"type": "integer"}}}}
 
@@ -64,10 +64,23 @@ def test_a_chat_completion_becomes_the_message():
     assert to_message(chat) == {
         "id": "c1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "tool_use",
         "content": [{"type": "text", "text": "Sure."}, {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1}}],
-        "usage": {"input_tokens": 10, "output_tokens": 4}}
+        "usage": {"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                  "output_tokens": 4}}
     empty = {"id": "c2", "model": "m", "choices": [{"finish_reason": "stop", "stop_reason": "END", "message": {}}]}
     assert to_message(empty)["content"] == [{"type": "text", "text": ""}]
     assert (to_message(empty)["stop_reason"], to_message(empty)["stop_sequence"]) == ("stop_sequence", "END")
+
+
+NO_CACHE = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}   # as Anthropic's API sends them
+
+
+def test_usage_always_carries_the_cache_counts_anthropic_sends():
+    """Agents add ``cache_read_input_tokens`` up as an int: Anthropic sends 0 when nothing was cached."""
+    assert usage(None) == {"input_tokens": 0, **NO_CACHE, "output_tokens": 0}
+    assert usage({"prompt_tokens": 9, "completion_tokens": 2}) == {"input_tokens": 9, **NO_CACHE, "output_tokens": 2}
+    cached = usage({"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}})
+    assert cached == {"input_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4,
+                      "output_tokens": 2}
 
 
 def _chunk(delta=None, finish=None, usage=None, choices=True):
@@ -90,7 +103,7 @@ def test_chat_chunks_become_the_event_stream():
         (n, json.dumps(d, sort_keys=True)) for n, d in [
             ("message_start", {"type": "message_start", "message": {
                 "id": "c", "type": "message", "role": "assistant", "content": [], "model": "m",
-                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 7, "output_tokens": 0}}}),
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 7, **NO_CACHE, "output_tokens": 0}}}),
             ("content_block_start", {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0}),
             ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}, "index": 0}),
             ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": " there"}, "index": 0}),
@@ -104,7 +117,7 @@ def test_chat_chunks_become_the_event_stream():
             ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "late"}, "index": 2}),
             ("content_block_stop", {"type": "content_block_stop", "index": 2}),
             ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-                               "usage": {"input_tokens": 7, "output_tokens": 5}}),
+                               "usage": {"input_tokens": 7, **NO_CACHE, "output_tokens": 5}}),
             ("message_stop", {"type": "message_stop"})]]
 
 
