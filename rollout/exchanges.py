@@ -19,13 +19,14 @@ message conversions are the instrumentor's own (``lightspan.tracing.capture``,
   conversion cannot reproduce goes to ``/v1/messages`` as it is (``unsupported_request``).
 
 Errors are the provider's shape (:func:`error_body`): OpenAI's ``{"error": {...}}``, Anthropic's
-``{"type": "error", "error": {"type", "message"}}``. Pure: no I/O.
+``{"type": "error", "error": {"type", "message"}}``. A request field the gateway reads itself
+(:data:`FIELDS`: ``stream``, ``include``, ``logprobs``, …) with the wrong JSON type is refused with
+400 and the field's name (:func:`invalid`) before anything reaches vLLM. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 
 from lightspan.rollout.protocols import dumps
 from lightspan.tracing import capture_responses, messages, semconv, urls
@@ -42,12 +43,60 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     503: "overloaded_error", 529: "overloaded_error"}
 
 
-def error_body(api: str | None, status: int, message: str) -> bytes:
-    """The gateway's own error answer in the shape of the protocol the caller speaks."""
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_body(api: str | None, status: int, message: str, param: str | None = None) -> bytes:
+    """The gateway's own error answer in the shape of the protocol the caller speaks: OpenAI's
+    ``{"error": {"message", "type", "param", "code"}}`` (``code`` the status, as vLLM sends it), or
+    Anthropic's for ``/v1/messages``."""
     if api == urls.MESSAGES:
         kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
         return dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-    return dumps({"error": {"message": message, "type": HTTPStatus(status).phrase, "code": status}}).encode()
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+# The request fields the gateway itself reads (to capture, route, stream), per protocol, with the
+# JSON types it reads them as; anything else in a body is vLLM's to judge. ``None`` (null) is
+# always allowed: it is what an unset field is.
+_NUMBER = (int, float)
+_COMMON = {"model": (str, "a string"), "stream": (bool, "a boolean"), "temperature": (_NUMBER, "a number")}
+FIELDS = {
+    urls.CHAT: {**_COMMON, "logprobs": (bool, "a boolean"), "return_token_ids": (bool, "a boolean")},
+    urls.TEXT_COMPLETION: {**_COMMON, "logprobs": (int, "an integer"), "return_token_ids": (bool, "a boolean")},
+    urls.RESPONSES: {**_COMMON, "include": (list, "an array of strings"), "background": (bool, "a boolean"),
+                     "enable_response_messages": (bool, "a boolean")},
+    urls.MESSAGES: _COMMON,
+}
+
+
+def invalid(api: str, asked: dict) -> tuple[str, str] | None:
+    """(param, message) for the first field of ``asked`` the gateway reads that has the wrong JSON
+    type (``include: 5``), else None: such a call is answered 400, as OpenAI answers it."""
+    for name, (kind, what) in FIELDS[api].items():
+        value = asked.get(name)
+        if value is None:
+            continue
+        # bool is an int in Python, never in JSON; a number may be an integer
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if not ok:
+            return name, f"Invalid type for '{name}': expected {what}, but got {_json_type(value)} instead."
+        if name == "include":
+            bad = next((item for item in value if not isinstance(item, str)), None)
+            if bad is not None or None in value:
+                return name, f"Invalid type for '{name}': expected {what}, but an item is {_json_type(bad)}."
+    return None
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "an integer" if isinstance(value, int) else "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _data(line: bytes) -> bytes | None:

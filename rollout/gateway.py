@@ -65,7 +65,7 @@ from lightspan.config import ConfigError
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.gateway_config import GatewayConfig
-from lightspan.rollout.exchanges import Exchange, error_body, exchange
+from lightspan.rollout.exchanges import Exchange, error_body, exchange, invalid
 from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
 from lightspan.rollout.replicas import Upstreams, untraced_key
 from lightspan.rollout.routing import served_attributes, served_model
@@ -82,9 +82,10 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _ADMIN_BODY_BYTES = 64 << 10
 
 
-def _error(api: str | None, code: int, message: str, headers: dict | None = None) -> http.Response:
+def _error(api: str | None, code: int, message: str, headers: dict | None = None,
+           param: str | None = None) -> http.Response:
     """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
-    return http.Response(code, "application/json", error_body(api, code, message), dict(headers or {}))
+    return http.Response(code, "application/json", error_body(api, code, message, param), dict(headers or {}))
 
 
 class Gateway:
@@ -240,6 +241,10 @@ class Gateway:
         asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
             raise http.HTTPError(400, "request body is not a JSON object")
+        bad = invalid(api, asked)       # a field the gateway reads, of the wrong type: the caller's error
+        if bad is not None:
+            self.admission.count("refused_invalid")
+            return _error(api, 400, bad[1], param=bad[0])
         refused = self.admission.enter()
         if refused:
             raise http.HTTPError(429, "paused for a weight update" if refused == "paused"

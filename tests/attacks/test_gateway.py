@@ -269,3 +269,52 @@ def test_a_malformed_anthropic_body_goes_to_vllm_as_it_is(gateway_factory, upstr
     assert answer.status_code == 200 and upstream.paths() == ["/v1/messages"]
     (span,) = gw.exporter.get_finished_spans()
     assert span.attributes["lightspan.capture.status"] == "unsupported_request"
+
+
+RESPONSES = {"model": "policy", "input": "hi"}
+WRONG_TYPES = [  # (path, body, the field the gateway reads with the wrong type)
+    ("/v1/responses", {**RESPONSES, "include": 5}, "include"),
+    ("/v1/responses", {**RESPONSES, "include": "message.output_text.logprobs"}, "include"),
+    ("/v1/responses", {**RESPONSES, "include": [1]}, "include"),
+    ("/v1/responses", {**RESPONSES, "background": "yes"}, "background"),
+    ("/v1/responses", {**RESPONSES, "enable_response_messages": {}}, "enable_response_messages"),
+    ("/v1/responses", {**RESPONSES, "stream": "true"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "stream": 1}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "model": {"name": "policy"}}, "model"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "yes"}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "return_token_ids": [True]}, "return_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.7"}, "temperature"),
+    ("/v1/completions", {"model": "policy", "prompt": "hi", "logprobs": True}, "logprobs"),
+    ("/v1/messages", {**ANTHROPIC, "stream": "yes"}, "stream"),
+    ("/v1/messages", {**ANTHROPIC, "model": 5}, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", WRONG_TYPES)
+def test_a_field_of_the_wrong_type_is_a_400_in_the_protocols_shape(gateway_factory, upstream, path, body, param):
+    """``include: 5`` on /v1/responses was a 500 ``internal error: TypeError``: a field the gateway
+    reads itself, of the wrong JSON type, is the caller's error, in OpenAI's shape (with ``param``)
+    or Anthropic's, and never reaches vLLM."""
+    gw = gateway_factory(upstream)
+    answer = requests.post(f"{gw.url}{path}", json=body, timeout=10)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and f"'{param}'" in error["message"], error
+    if path == "/v1/messages":
+        assert answer.json()["type"] == "error"
+    else:
+        assert error["param"] == param and error["code"] == 400, error
+    assert upstream.requests == [] and gw.status()["refused_invalid"] == 1
+
+
+def test_the_openai_client_reads_a_wrong_type_refusal(gateway_factory, upstream):
+    import openai
+
+    gw = gateway_factory(upstream)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="policy", input="hi", extra_body={"include": 5})
+    assert err.value.param == "include" and err.value.type == "invalid_request_error"
+    # the right types still pass (null is an unset field)
+    ok = requests.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": None, "logprobs": None}, timeout=10)
+    assert ok.status_code == 200, ok.text
