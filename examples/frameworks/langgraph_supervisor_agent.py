@@ -1,74 +1,66 @@
-# From langchain-ai/langgraph-supervisor-py's README.md, "Quickstart" (langgraph-supervisor
-# 0.0.31), unchanged below this header. Copyright (c) 2025 LangChain, Inc. MIT License.
-#
-# A LangGraph supervisor managing two create_react_agent agents (math_expert, research_expert).
-# Under `lightspan rollout` it needs nothing but a model named gpt-4o (`lightspan vllm --aliases
-# gpt-4o`); with opentelemetry-instrumentation-langchain each call is attributed to the agent
-# whose graph made it (supervisor, math_expert or research_expert), so
-#     lightspan transitions build --agent-match '^supervisor$'
-# trains the supervisor's calls only. It emits no reward: a grader posts one per rollout
-# (POST /v1/rewards).
+"""A LangGraph supervisor (``langgraph-supervisor``) routing a question to one of two worker agents,
+each a LangChain agent with its own tools: ``converter`` changes units, ``calculator`` does the
+arithmetic. Nothing in it names lightspan. Every agent calls a model named ``gpt-4o``; under
+``lightspan rollout`` serve the policy under that name (``lightspan vllm --aliases gpt-4o``):
 
+    lightspan rollout --tasks tasks.jsonl -- python examples/frameworks/langgraph_supervisor_agent.py
+
+With ``opentelemetry-instrumentation-langchain`` installed, each call is attributed to the agent
+whose graph made it (``supervisor``, ``converter`` or ``calculator``), so training the router alone is
+
+    lightspan transitions build --agent-match '^supervisor$'
+
+The task's ``prompt`` is the question (a default one otherwise). It emits no reward: a grader posts
+one per rollout (``POST /v1/rewards``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from langchain.agents import create_agent
 from langchain_openai import ChatOpenAI
-
 from langgraph_supervisor import create_supervisor
-from langgraph.prebuilt import create_react_agent
 
-model = ChatOpenAI(model="gpt-4o")
+KM_PER_MILE = 1.609344
 
-# Create specialized agents
 
-def add(a: float, b: float) -> float:
-    """Add two numbers."""
-    return a + b
+def miles_to_km(miles: float) -> float:
+    """Convert a distance in miles to kilometres."""
+    return miles * KM_PER_MILE
+
+
+def km_to_miles(km: float) -> float:
+    """Convert a distance in kilometres to miles."""
+    return km / KM_PER_MILE
+
 
 def multiply(a: float, b: float) -> float:
     """Multiply two numbers."""
     return a * b
 
-def web_search(query: str) -> str:
-    """Search the web for information."""
-    return (
-        "Here are the headcounts for each of the FAANG companies in 2024:\n"
-        "1. **Facebook (Meta)**: 67,317 employees.\n"
-        "2. **Apple**: 164,000 employees.\n"
-        "3. **Amazon**: 1,551,000 employees.\n"
-        "4. **Netflix**: 14,000 employees.\n"
-        "5. **Google (Alphabet)**: 181,269 employees."
-    )
 
-math_agent = create_react_agent(
-    model=model,
-    tools=[add, multiply],
-    name="math_expert",
-    prompt="You are a math expert. Always use one tool at a time."
-)
+def divide(a: float, b: float) -> float:
+    """Divide a by b."""
+    return a / b
 
-research_agent = create_react_agent(
-    model=model,
-    tools=[web_search],
-    name="research_expert",
-    prompt="You are a world class researcher with access to web search. Do not do any math."
-)
 
-# Create supervisor workflow
-workflow = create_supervisor(
-    [research_agent, math_agent],
-    model=model,
-    prompt=(
-        "You are a team supervisor managing a research expert and a math expert. "
-        "For current events, use research_agent. "
-        "For math problems, use math_agent."
-    )
-)
+def build():
+    model = ChatOpenAI(model="gpt-4o", max_tokens=512)
+    converter = create_agent(model, tools=[miles_to_km, km_to_miles], name="converter",
+                             system_prompt="You convert distances between miles and kilometres with your tools.")
+    calculator = create_agent(model, tools=[multiply, divide], name="calculator",
+                              system_prompt="You do arithmetic with your tools, one step at a time.")
+    supervisor = create_supervisor(
+        [converter, calculator], model=model,
+        prompt="You lead a unit converter and a calculator. Hand unit conversions to converter and "
+               "arithmetic to calculator, then answer the user from their results.")
+    return supervisor.compile()
 
-# Compile and run
-app = workflow.compile()
-result = app.invoke({
-    "messages": [
-        {
-            "role": "user",
-            "content": "what's the combined headcount of the FAANG companies in 2024?"
-        }
-    ]
-})
+
+if __name__ == "__main__":
+    task = json.loads(os.environ.get("LIGHTSPAN_TASK", "{}"))
+    question = task.get("prompt", "A 10 km run took 50 minutes. How many minutes per mile is that?")
+    state = build().invoke({"messages": [{"role": "user", "content": question}]})
+    print(state["messages"][-1].content)

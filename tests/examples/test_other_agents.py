@@ -1,7 +1,8 @@
-"""Other people's agents, unchanged, under ``lightspan rollout`` against a real vLLM serving the
-tiny model and a real collector: Agent Lightning's own examples (calc_x, gsm8k), AutoGen
-AgentChat's README orchestration, langgraph-supervisor's README quickstart, a crewAI crew and an
-OpenAI Agents SDK agent with its tracing on.
+"""Agents of other frameworks and contracts, none changed for lightspan, under ``lightspan rollout``
+against a real vLLM serving the tiny model and a real collector: agents written to Agent
+Lightning's contract (examples/agl_compat: its environment variables, class runner and reward
+events), an AutoGen AgentChat tutor with experts as ``AgentTool``, a LangGraph supervisor, a crewAI
+crew and an OpenAI Agents SDK agent with its tracing on.
 
 Each case runs two rollouts of one task and checks what a user would: the rollouts succeed, every
 LLM call is stored with its token ids, the agents that score themselves have their rewards (Agent
@@ -18,7 +19,7 @@ them (``lightspan vllm --aliases``). Their tool schemas and system prompts pass 
 tiny model's byte-level context, so this module serves a tiny model with a 4,096-token context.
 crewAI and AutoGen run from environments of their own (:mod:`tests.agent_envs`). The tiny model
 writes random bytes, so no task is solved and no tool is called: the supervisor never hands off,
-AutoGen's experts never run.
+the tutor never asks its experts.
 """
 
 from __future__ import annotations
@@ -69,22 +70,22 @@ def _python(env: str | None) -> str:
     return "python" if env is None else str(agent_env(env))
 
 
-AGL_CLASS = "examples.agent_lightning.gsm8k.gsm8k_agent"
+AGL_CLASS = "examples.agl_compat.math_agents"
 # name: (environment extra or None for lightspan's, command after the interpreter, task, env_map,
 #        extra variables, calls per rollout, agents of its calls, --agent-match, who rewards)
 CASES = {
-    "agl_calc_x": ("autogen", ["examples/agent_lightning/calc_x/calc_agent.py"],
-                   {"question": "What is 2 + 3?", "result": "5"}, "QUESTION=input.question,RESULT=input.result",
-                   {}, 1, {"calc"}, "^calc$", "event"),
-    "agl_gsm8k_chat": (None, ["-m", "lightspan.rollout.agent_class", f"{AGL_CLASS}.ChatAgent"],
-                       {"question": "What is 2 + 3?", "answer": "5"}, "QUESTION=input.question,ANSWER=input.answer",
+    "agl_calculator": ("autogen", ["examples/agl_compat/calculator_agent.py"],
+                       {"question": "What is 2 + 3?", "result": "5"}, "QUESTION=input.question,RESULT=input.result",
+                       {}, 1, {"calculator"}, "^calculator$", "event"),
+    "agl_chat": (None, ["-m", "lightspan.rollout.agent_class", f"{AGL_CLASS}.ChatAgent"],
+                 {"question": "What is 2 + 3?", "answer": "5"}, "QUESTION=input.question,ANSWER=input.answer",
+                 {}, 1, {"agent"}, "", "event"),
+    "agl_completion": (None, ["-m", "lightspan.rollout.agent_class", f"{AGL_CLASS}.CompletionAgent"],
+                       {"question": "What is 2 + 3?", "answer": "5"},
+                       "QUESTION=input.question,ANSWER=input.answer,TOKENIZER={model}",
                        {}, 1, {"agent"}, "", "event"),
-    "agl_gsm8k_completion": (None, ["-m", "lightspan.rollout.agent_class", f"{AGL_CLASS}.CompletionAgent"],
-                             {"question": "What is 2 + 3?", "answer": "5"},
-                             "QUESTION=input.question,ANSWER=input.answer,GSM8K_MODEL={model}",
-                             {}, 1, {"agent"}, "", "event"),
     "autogen_agentchat": ("autogen", ["examples/frameworks/autogen_agentchat_agent.py"], {}, "",
-                          {}, 2, {"assistant"}, "^assistant$", "grader"),
+                          {}, 2, {"tutor"}, "^tutor$", "grader"),
     "langgraph_supervisor": (None, ["examples/frameworks/langgraph_supervisor_agent.py"], {}, "",
                              {}, 1, {"supervisor"}, "^supervisor$", "grader"),
     "agents_sdk": (None, ["tests/agents/agents_sdk_agent.py"], {"prompt": "What is 2 + 3?", "answer": "5"}, "",
@@ -126,8 +127,8 @@ def _rollout(case: str, served, collector, tmp_path) -> tuple[list[str], object]
     return rollout_ids, con
 
 
-# (agl_gsm8k_completion: Agent Lightning's CompletionAgent reads choices[0].token_ids it never asked
-# for, as its proxy always adds return_token_ids; the instrumentor returns the ids to an AGL_ caller)
+# (agl_completion: the CompletionAgent decodes choices[0].token_ids it never asked for, as Agent
+# Lightning's proxy always adds them; the instrumentor returns the ids to an AGL_ caller)
 @pytest.mark.parametrize("case", list(CASES))
 def test_an_unchanged_agent_runs_is_captured_rewarded_and_attributed(case, served, collector, tmp_path):
     from lightspan import store

@@ -2,8 +2,8 @@
 against the session's real vLLM (through the recording proxy of tests/tracing/test_frameworks.py),
 exporting to a real collector:
 
-- the OpenAI Agents SDK's own tools example (examples/frameworks/openai_agents_tools.py, taken from
-  its repository unchanged): its default model, ``OpenAIResponsesModel``, calls the Responses API;
+- an OpenAI Agents SDK agent with one tool and no model given (examples/frameworks/openai_agents_tools.py):
+  the SDK's default model, ``OpenAIResponsesModel``, calls the Responses API;
 - an ``anthropic``-client agent with a tool turn (examples/frameworks/anthropic_agent.py);
 - an agent with a call of each capture outcome (tests/agents/capture_mix_agent.py): the call that
   cannot be captured is in the runner's summary, with its reason, and in the ``rollouts`` view.
@@ -107,7 +107,7 @@ def _stored_calls(con, task_id):
     return rows
 
 
-def test_the_agents_sdk_tools_example_with_its_default_model(collector, recorder, vllm_server, tmp_path):
+def test_an_agents_sdk_agent_with_a_tool_on_its_default_model(collector, recorder, vllm_server, tmp_path):
     pytest.importorskip("agents")
     # OPENAI_DEFAULT_MODEL names the served model (or serve the SDK's default name: lightspan vllm --aliases);
     # the SDK's own trace exporter would post to OpenAI's servers
@@ -116,7 +116,7 @@ def test_the_agents_sdk_tools_example_with_its_default_model(collector, recorder
                                              collector, recorder, tmp_path, env)
     assert exchanges and {path for path, *_ in exchanges} == {"/v1/responses"}, logs
     sent = [request for _, request, *_ in exchanges]
-    assert all(r["enable_response_messages"] is True and r["tools"][0]["name"] == "get_weather" for r in sent)
+    assert all(r["enable_response_messages"] is True and r["tools"][0]["name"] == "add" for r in sent)
     rows = _stored_calls(con, "agents_sdk_tools-task")
     # one row per call: traceloop's openai.response span of each call is marked as lightspan's duplicate
     assert len(rows) == len(exchanges) and {r[2] for r in rows} == {"lightspan.instrumentor"}, rows
