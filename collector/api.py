@@ -293,6 +293,9 @@ def sql_connection(data_dir: str | Path, memory_limit: int = SQL_MEMORY_LIMIT) -
     try:
         con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
         con.execute(f"SET threads = {SQL_THREADS}")
+        # no spilling: DuckDB lets a connection read its temp directory (default ``.tmp`` in the
+        # working directory) whatever allowed_directories says, so a query could read files there
+        con.execute("SET temp_directory = ''")
         allowed = ", ".join(store.quote(f"{root}/{table}/") for table in store.TABLES)
         con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
         con.execute("SET enable_external_access = false")
