@@ -10,9 +10,12 @@ message conversions are the instrumentor's own (``lightspan.tracing.capture``,
 
 - chat completions and completions (:class:`ChatExchange`): ``return_token_ids`` and
   ``logprobs`` added, set back to ``null`` in the answer unless the caller asked for them;
-- the Responses API (:class:`ResponsesExchange`): ``enable_response_messages`` and the output-text
-  logprobs ``include`` added and hidden the same way; vLLM returns no logprobs for tool-call-only
-  replies and for streamed tokens without text, and the span is then ``no_logprobs`` with the reason;
+- the Responses API (:class:`ResponsesExchange`): converted to a chat completion as vLLM converts
+  it (``lightspan.tracing.responses_convert``), sent to ``/v1/chat/completions`` with the capture
+  fields, and converted back into the Response or event stream ``/v1/responses`` answers (vLLM's
+  Responses route gives no logprobs for tool calls and streamed end-of-turn tokens); a request the
+  conversion cannot reproduce goes to ``/v1/responses`` with ``enable_response_messages`` and the
+  output-text logprobs ``include``, hidden the same way (``no_logprobs`` with the reason where it falls short);
 - Anthropic Messages (:class:`MessagesExchange`): converted to a chat completion as vLLM converts
   it, sent to ``/v1/chat/completions`` with the capture fields, and converted back into the
   Anthropic message or event stream that vLLM's own ``/v1/messages`` answers. A request that
@@ -34,7 +37,8 @@ from lightspan.tracing.anthropic_convert import to_error
 from lightspan.tracing.capture import REASONS, Capture, loads, with_capture
 from lightspan.tracing.capture_anthropic import PATH as CHAT_PATH
 from lightspan.tracing.capture_anthropic import AnthropicCapture
-from lightspan.tracing.capture_responses import ResponsesCapture
+from lightspan.tracing.capture_responses import PATH as RESPONSES_CHAT_PATH
+from lightspan.tracing.capture_responses import ConvertedCapture, ResponsesCapture
 
 log = logging.getLogger(__name__)
 
@@ -209,21 +213,42 @@ class ChatExchange(Exchange):
 
 
 class ResponsesExchange(Exchange):
-    """``/v1/responses``: the ids come in ``input_messages``/``output_messages`` (nulled unless asked)."""
+    """``/v1/responses``: a chat completion underneath, the Response or its events on top; a request
+    the conversion cannot reproduce goes to ``/v1/responses``, whose ids come in
+    ``input_messages``/``output_messages`` (nulled unless asked)."""
 
     api = urls.RESPONSES
 
     def __init__(self, asked: dict, upstream: str, strip: bool):
         super().__init__(asked, upstream, strip)
         self.cap = ResponsesCapture.for_request(asked)
+        self.converted = isinstance(self.cap, ConvertedCapture)
+        if self.converted:
+            query = upstream.partition("?")[2]
+            self.upstream = RESPONSES_CHAT_PATH + (f"?{query}" if query else "")
 
     def body(self) -> dict:
+        if self.converted:
+            return self.cap.request()
         return self.asked if self.cap.unsupported else capture_responses.with_capture(self.asked)
 
     def inputs(self) -> list:
         return messages.responses_input(self.asked)
 
+    def answer(self, payload) -> dict:
+        if not self.converted:
+            return super().answer(payload)
+        self.finished = True
+        return self.cap.message(payload) if isinstance(payload, dict) else payload
+
+    def end(self) -> list[bytes]:
+        if not self.converted:
+            return []
+        return [_event(name, event) for name, event in self.cap.end()] if self.finished else []
+
     def frames(self, line: bytes) -> list[bytes]:
+        if self.converted:
+            return self._converted_frames(line)
         data = _data(line)
         if data is None:
             return [line + b"\n"] if line else []   # the event: line before its data
@@ -234,6 +259,22 @@ class ResponsesExchange(Exchange):
             if self.strip:
                 data = dumps(event).encode()
         return [b"data: " + data + b"\n\n"]
+
+    def _converted_frames(self, line: bytes) -> list[bytes]:
+        data = _data(line)
+        if data == b"[DONE]":
+            self.finished = True
+            return []                # the last events go out from end(), once the span has ended
+        if data is None or not data.startswith(b"{"):
+            return []                # the chat stream's framing is not the caller's
+        chunk = loads(data)
+        if not isinstance(chunk, dict):
+            return []
+        try:
+            events = self.cap.events(chunk)
+        except (TypeError, AttributeError, KeyError) as e:   # no Responses event can be made of it
+            raise ValueError(f"an unreadable chat completion chunk: {e!r}") from e
+        return [_event(name, event) for name, event in events]
 
     def outputs(self) -> list | None:
         if self.cap.response is None:

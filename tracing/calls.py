@@ -20,7 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from lightspan.tracing import anthropic_client, capture_responses, messages, semconv, spans, urls
 from lightspan.tracing.capture import REASONS, Capture, with_capture
 from lightspan.tracing.capture_anthropic import AnthropicCapture
-from lightspan.tracing.capture_responses import ResponsesCapture
+from lightspan.tracing.capture_responses import ConvertedCapture, ResponsesCapture
 from lightspan.tracing.report import CAPTURED, GATEWAY, OTHER_URL, REPORT
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Call:
 
     def returned(self) -> None:
         """The client's call returned: traceloop's Responses wrapper starts its span of it next."""
-        if self.api == urls.RESPONSES and self.owned:
+        if self.api == urls.RESPONSES and self.span is not None and (self.owned or self.cap is None):
             spans.NESTING.responses_call.set(spans.span_id(self.span))
 
     def passed(self, resp):
@@ -240,6 +240,8 @@ def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, inst
     """(call, request body to send) for a call bound for a capture URL."""
     if api == urls.RESPONSES:
         cap = ResponsesCapture.for_request(asked)
+        if isinstance(cap, ConvertedCapture):   # as a chat completion, which has every token's logprob
+            return Call(library, api, cap, stream, converted=True), cap.request()
         return Call(library, api, cap, stream), body if cap.unsupported else capture_responses.with_capture(body)
     if api == urls.MESSAGES:
         cap = AnthropicCapture(anthropic_client.plain(asked))
@@ -318,7 +320,7 @@ def prepare(library: str, instance, args, kwargs):
     if call.converted:
         # the converted body holds the caller's extra_body already (it was converted from ``asked``)
         kwargs["options"] = {k: v for k, v in options.items() if k != "extra_json"} if isinstance(options, dict) else options
-        chat_path = path[:path.rindex("/messages")] + "/chat/completions"
+        chat_path = path[:path.rindex("/responses" if api == urls.RESPONSES else "/messages")] + "/chat/completions"
         if args:
             call.path = chat_path
         else:
@@ -326,7 +328,7 @@ def prepare(library: str, instance, args, kwargs):
     if api != urls.MESSAGES and agl:
         call.cap.caller_ids = call.cap.caller_logprobs = True
     content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance, options)
-    if content and ((call.converted and not stream) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
+    if content and ((call.converted and not stream and api == urls.MESSAGES) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
         call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
     return call, kwargs
 
@@ -340,14 +342,30 @@ def _not_captured(library: str, api: str, base: str, raw: str, body: dict, optio
             current.set_attributes({semconv.CAPTURE_STATUS: OTHER_URL, semconv.CAPTURE_REASON: reason})
         return None, kwargs
     REPORT.count(GATEWAY)
-    if api != urls.RESPONSES:
-        return None, kwargs
-    # traceloop's Responses span starts after the call and sends no trace context: a span of our own
-    # sends it, so the gateway's span of the call is its child and the call one row (store/views.py)
-    call = Call(library, api, None, False)
-    _open(call, body, library)
-    if call.owned:
-        headers = dict((options or {}).get("headers") or {}) if isinstance(options, dict) else {}
-        TraceContextTextMapPropagator().inject(headers, context=trace.set_span_in_context(call.span))
-        kwargs = {**kwargs, "options": {**(options if isinstance(options, dict) else {}), "headers": headers}}
+    # The gateway's span of the call joins this trace through traceparent, as the child of the span
+    # that describes the call here (an instrumentation's, a framework's; for a Responses call without
+    # one, traceloop's starting only after the call, a span of our own): store/views.py keeps the
+    # gateway's, which has the ids, and the call is one row. Nothing else sends the trace context.
+    call = None
+    current = trace.get_current_span()
+    span = current if spans.is_llm_span(current) else _pending_llm_span()
+    if api == urls.RESPONSES:
+        call = Call(library, api, None, False)
+        if span is None:
+            _open(call, body, library)
+            span = call.span if call.owned else None
+        else:
+            call.span = span   # (traceloop's span of it, starting after the call, is marked its duplicate)
+    if span is None:
+        return call, kwargs
+    if span.is_recording() and semconv.CAPTURE_STATUS not in span.attributes:
+        span.set_attributes({semconv.CAPTURE_STATUS: GATEWAY, semconv.CAPTURE_REASON: REASONS[GATEWAY]})
+    headers = dict((options or {}).get("headers") or {}) if isinstance(options, dict) else {}
+    TraceContextTextMapPropagator().inject(headers, context=trace.set_span_in_context(span))
+    kwargs = {**kwargs, "options": {**(options if isinstance(options, dict) else {}), "headers": headers}}
     return call, kwargs
+
+
+def _pending_llm_span():
+    """The LLM span a framework opened for the call without making it current (:mod:`.spans`, 2.)."""
+    return spans.NESTING.pending_llm_span() if spans.NESTING.active else None

@@ -46,6 +46,9 @@ REASONS = {
     "logprobs_mismatch": "the server did not return one logprob per completion token",
     "stream_incomplete": "the stream was not read to its end (the agent stopped reading, or the connection broke)",
     "capture_error": "lightspan could not read the answer (a bug: please report it with the agent's log)",
+    "gateway": "captured by a lightspan gateway (LIGHTSPAN_CAPTURE_URLS=none): the gateway's span of this call, this "
+               "span's child through traceparent, carries the ids, and this span counts only when that one never "
+               "reached the store: is the gateway exporting to this collector?",
 }
 """Why a call was not captured, and the fix, by ``lightspan.capture.status`` (``lightspan.capture.reason``)."""
 

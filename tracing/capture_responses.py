@@ -25,7 +25,9 @@ What vLLM 0.32 returns (read in ``vllm/entrypoints/openai/responses/`` and measu
 from __future__ import annotations
 
 from lightspan.tracing import semconv
-from lightspan.tracing.capture import _get
+from lightspan.tracing.capture import CHAT, Capture, _get
+from lightspan.tracing.capture import with_capture as chat_with_capture
+from lightspan.tracing.responses_convert import ResponseStream, Unsupported, to_chat, to_response
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -33,9 +35,10 @@ _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.fa
 NO_LOGPROBS_REASON = (
     "vLLM's /v1/responses returns logprobs only for output text: none for a reply that is only a tool "
     "call, and in a stream none for tokens whose delta has no text (the end-of-turn token); the ids "
-    "are recorded, the logprobs are not. For logprobs on every token call the chat completions API "
-    "(the OpenAI Agents SDK: OpenAIChatCompletionsModel), or the Responses API without streaming "
-    "and tool calls.")
+    "are recorded, the logprobs are not. lightspan sends a Responses request as a chat completion, "
+    "which has them, when it can reproduce vLLM's conversion; this one it could not: {why}.")
+PATH = "/v1/chat/completions"
+"""Where a converted request goes (the caller's path ends in ``/v1/responses``)."""
 
 
 def with_capture(body: dict) -> dict:
@@ -99,6 +102,7 @@ class ResponsesCapture:
         self.parsed = False
         self.done = False
         self.unsupported: str | None = None   # why the request was sent without asking for ids
+        self.not_converted = "it was not tried"   # why it was not sent as a chat completion
         self.temperature: float | None = None
         self.model = None
         self.prompt: list[int] | None = None
@@ -110,8 +114,19 @@ class ResponsesCapture:
         self.response = None                   # the final response (for the span's messages)
 
     @classmethod
-    def for_request(cls, body: dict) -> "ResponsesCapture":
-        """A capture for a request body as the caller wrote it (before :func:`with_capture`)."""
+    def for_request(cls, body: dict):
+        """A capture for a request body as the caller wrote it (before :func:`with_capture`): a
+        :class:`ConvertedCapture` when the request converts to a chat completion, else this."""
+        converted = ConvertedCapture(body)
+        if converted.converted:
+            return converted
+        cap = cls.native(body)
+        cap.not_converted = converted.unsupported
+        return cap
+
+    @classmethod
+    def native(cls, body: dict) -> "ResponsesCapture":
+        """A capture of the request sent to ``/v1/responses`` itself."""
         include = body.get("include") or ()
         cap = cls(caller_ids=bool(body.get("enable_response_messages")),
                   caller_logprobs=LOGPROBS_INCLUDE in include)
@@ -207,7 +222,7 @@ class ResponsesCapture:
         if status == "unsupported_request":
             return f"not captured: {self.unsupported}"
         if status == "no_logprobs":
-            return NO_LOGPROBS_REASON
+            return NO_LOGPROBS_REASON.format(why=self.not_converted)
         if status == "multiple_turns":
             return ("vLLM ran several model turns in one /v1/responses call (built-in tools): one span "
                     "holds one turn; let the agent run its tools")
@@ -248,3 +263,110 @@ class ResponsesCapture:
         if self.finish_reason:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (self.finish_reason,)
         return attrs
+
+
+class ConvertedCapture:
+    """A Responses call captured through vLLM's chat completions (:mod:`.responses_convert`).
+
+    Holds the converted request and a chat-completions :class:`Capture` of vLLM's answer, which
+    reads the ids and a logprob per token, and turns the answer into what the caller asked for
+    (:meth:`message` for a response, :meth:`events` for each stream chunk, :meth:`end` at its
+    ``[DONE]``). The interface is :class:`~lightspan.tracing.capture_anthropic.AnthropicCapture`'s."""
+
+    api = "responses"
+    operation = "chat"
+
+    def __init__(self, body: dict):
+        self.body = body
+        self.unsupported: str | None = None
+        self.chat_body: dict | None = None
+        try:
+            self.chat_body = to_chat(body)
+        except Unsupported as e:
+            self.unsupported = str(e)
+        except (TypeError, AttributeError, KeyError, IndexError) as e:   # malformed: vLLM refuses it, not lightspan
+            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
+        # the Response has no field for the chat answer's ids or logprobs: nothing of them is shown
+        self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
+        temperature = body.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            self.chat.temperature = float(temperature)
+        self.stream = ResponseStream(body) if body.get("stream") else None
+        self.response: dict | None = None   # the Response the caller got (for the span's messages)
+        self.done = False
+
+    @property
+    def converted(self) -> bool:
+        return self.chat_body is not None
+
+    def request(self) -> dict:
+        """The chat completions body to send, with the capture fields."""
+        return chat_with_capture(self.chat_body, CHAT)
+
+    @property
+    def fed(self) -> int:
+        return self.chat.fed
+
+    @property
+    def readable(self) -> bool:
+        return self.chat.readable
+
+    @readable.setter
+    def readable(self, value: bool) -> None:
+        self.chat.readable = value
+
+    @property
+    def temperature(self):
+        return self.chat.temperature
+
+    @property
+    def model(self):
+        return self.chat.model
+
+    @property
+    def finish_reason(self) -> str | None:
+        choice = self.chat.choices.get(0)
+        return choice.finish_reason if choice is not None else None
+
+    def add(self, payload, *, hide: bool = False) -> None:
+        """(Nothing but chat completions reaches a converted capture: see :meth:`message`.)"""
+
+    def add_json(self, payload: dict, hide: bool = False) -> None:
+        """(As :meth:`add`.)"""
+
+    def message(self, completion: dict) -> dict:
+        """The Response of vLLM's chat completion (its ids read first)."""
+        self.chat.add_json(completion)
+        self.response, self.done = to_response(completion, self.body), True
+        return self.response
+
+    def events(self, chunk: dict) -> list[tuple[str, dict]]:
+        """The Responses events (name, data) of one chat completion chunk (its ids read first)."""
+        choices = chunk.get("choices")
+        if type(choices) is list and len(choices) == 1 and self.stream.state == "content":
+            # the usual chunk, one text token in an open message: read and converted in one pass
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            text = delta.get("content") if type(delta) is dict else None
+            if (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
+                    and choice.get("finish_reason") is None and not choice.get("index")
+                    and chunk.get("prompt_token_ids") is None and not chunk.get("usage")
+                    and self.chat.add_token(choice)):
+                return [(e["type"], e) for e in self.stream.text_delta(text)]
+        self.chat.add_json(chunk)
+        return [(e["type"], e) for e in self.stream.feed(chunk)]
+
+    def end(self) -> list[tuple[str, dict]]:
+        """The events at the chat stream's ``[DONE]``."""
+        out = [(e["type"], e) for e in self.stream.done()]
+        self.response, self.done = self.stream.response, True
+        return out
+
+    def status(self) -> str:
+        return self.chat.status()
+
+    def attributes(self, model_version: int | None = None) -> dict:
+        return self.chat.attributes(model_version)
+
+    def genai_attributes(self) -> dict:
+        return self.chat.genai_attributes()

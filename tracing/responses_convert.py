@@ -1,0 +1,417 @@
+"""The Responses API as chat completions, the way vLLM serves it, so that every token's logprob can be asked for.
+
+vLLM 0.32 answers ``POST /v1/responses`` (non-harmony models) by rendering the request's items as
+chat messages (``vllm/entrypoints/openai/responses/utils.py``: ``construct_input_messages``),
+generating as a chat completion would, and parsing the output with the same tool and reasoning
+parsers. Its answer carries a logprob only for tokens of output text: none for a reply that is only
+a tool call, none for a tool call's tokens beside text, and in a stream none for tokens whose delta
+has no text (the end-of-turn token). Its chat completions route gives ids and a logprob for every
+token. lightspan therefore makes vLLM's conversion itself, calls ``/v1/chat/completions`` with the
+capture fields, and converts the answer back as vLLM's Responses route writes it: the caller gets
+the Response object, or the event stream, that ``/v1/responses`` gives (compared greedily in
+tests/tracing/test_protocols.py), and the span gets the ids. Pure functions over JSON dicts, for the
+instrumentor and a gateway alike:
+
+- :func:`to_chat`: the request (``instructions`` as the system message, message items, ``function_call``
+  items merged into the assistant turn as tool calls, ``function_call_output`` items as ``tool``
+  messages, reasoning items as ``reasoning``, function tools as chat tools, the sampling fields and
+  vLLM's own extensions handed on). A request it cannot reproduce raises :class:`Unsupported` and
+  goes to ``/v1/responses`` as it is: stored or background responses, ``previous_response_id``,
+  tools other than functions, structured ``text`` formats, ``reasoning`` settings, items other
+  than those above, a partial last message (vLLM continues it), and the fields that would show the
+  caller ids or logprobs (``enable_response_messages``, ``include``);
+- :func:`to_response`: a chat completion as the Response object (``ResponsesResponse.from_request``);
+- :class:`ResponseStream`: chat completion chunks as the Responses events, by vLLM's simple
+  streaming state machine (one output item at a time: reasoning, message text, each tool call).
+
+Where the answer echoes what vLLM resolved rather than what was asked, it says what was asked:
+``temperature`` / ``top_p`` left unset echo vLLM's defaults (1.0; a server whose model has a
+generation config of its own samples with, and would echo, that config's), ``max_output_tokens``
+left unset echoes ``null`` (vLLM: the room left in the context), and ``usage.input_tokens_details
+.cached_tokens`` is the chat answer's (0 unless vLLM runs with ``--enable-prompt-tokens-details``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+_ECHOED_DEFAULTS = {"background": False, "instructions": None, "max_tool_calls": None, "metadata": None,
+                    "previous_response_id": None, "prompt": None, "reasoning": None, "service_tier": "auto",
+                    "text": None, "truncation": "disabled", "user": None}
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens",
+             "include_stop_str_in_output", "user", "priority")
+# vLLM's own request fields, handed on as its chat route takes them
+_PASSED_THROUGH = ("structured_outputs", "watermarking", "cache_salt", "vllm_xargs", "kv_transfer_params",
+                   "ec_transfer_params", "chat_template_kwargs", "mm_processor_kwargs", "request_id")
+# fields that change nothing vLLM generates, or that it ignores
+_IGNORED = frozenset({"model", "input", "stream", "store", "metadata", "service_tier", "truncation", "instructions",
+                      "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key",
+                      "safety_identifier", "prompt_cache_retention", "max_tool_calls", "include_reasoning",
+                      "top_logprobs", "session_id", *_SAMPLING, *_PASSED_THROUGH})
+
+
+class Unsupported(ValueError):
+    """A request :func:`to_chat` cannot convert as vLLM does; the message says what."""
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:16]}"
+
+
+def _text(content) -> str | None:
+    """An assistant item's text, as vLLM reads it (the first part's)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        return content[0].get("text")
+    return None
+
+
+def _merge(messages: list, key: str, value) -> bool:
+    """Put ``value`` into the last message when it is an assistant turn without ``key`` yet."""
+    last = messages[-1] if messages else None
+    if last is None or last.get("role") != "assistant":
+        return False
+    if key == "tool_calls":
+        last.setdefault("tool_calls", []).append(value)
+        return True
+    if last.get(key) is None:
+        last[key] = value
+        return True
+    return False
+
+
+def _user_parts(content: list) -> list:
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "text") or not isinstance(part.get("text"), str):
+            raise Unsupported(f"a message part of type {kind!r}")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _item(item, messages: list) -> None:
+    if not isinstance(item, dict):
+        raise Unsupported("an input item that is not an object")
+    kind, role = item.get("type"), item.get("role")
+    if kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        if item.get("namespace"):
+            raise Unsupported("a namespaced function call")
+        if not _merge(messages, "tool_calls", call):
+            messages.append({"role": "assistant", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        if not isinstance(item.get("output"), str):
+            raise Unsupported("a function_call_output whose output is not text")
+        messages.append({"role": "tool", "content": item["output"], "tool_call_id": item.get("call_id")})
+    elif kind == "reasoning":
+        if item.get("encrypted_content"):
+            raise Unsupported("encrypted reasoning")
+        content, summary = item.get("content") or [], item.get("summary") or []
+        text = content[0].get("text") if content else summary[0].get("text") if summary else ""
+        if not _merge(messages, "reasoning", text):
+            messages.append({"role": "assistant", "reasoning": text})
+    elif kind in (None, "message") and role == "assistant":
+        text = _text(item.get("content"))
+        if text is None:
+            raise Unsupported("an assistant message without text")
+        if not _merge(messages, "content", text):
+            messages.append({"role": "assistant", "content": text})
+    elif kind in (None, "message") and role in ("user", "system", "developer"):
+        content = item.get("content")
+        if isinstance(content, list):
+            content = _user_parts(content)
+        elif not isinstance(content, str):
+            raise Unsupported("a message whose content is neither text nor parts")
+        messages.append({"role": role, "content": content})
+    else:
+        raise Unsupported(f"an input item of type {kind or role!r}")
+
+
+def _tools(body: dict, chat: dict) -> None:
+    tools = body.get("tools") or []
+    converted = []
+    for tool in tools:
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
+            raise Unsupported(f"a {tool.get('type') if isinstance(tool, dict) else ''!r} tool (only function tools)")
+        converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    choice = body.get("tool_choice", "auto")
+    if not converted:
+        if choice not in (None, "auto", "none"):
+            raise Unsupported(f"tool_choice {choice!r} without tools")
+        return
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise Unsupported(f"tool_choice {choice!r}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in ("auto", "none", "required"):
+        raise Unsupported(f"tool_choice {choice!r}")
+    chat["tools"], chat["tool_choice"] = converted, choice
+
+
+def to_chat(body: dict) -> dict:
+    """The chat completions request vLLM makes of Responses request ``body``; raises
+    :class:`Unsupported` for what it cannot reproduce (the request then goes as it is)."""
+    for key, why in (("background", "a background response"), ("previous_response_id", "previous_response_id"),
+                     ("conversation", "a conversation"), ("prompt", "a prompt template"),
+                     ("reasoning", "reasoning settings"), ("enable_response_messages", "enable_response_messages"),
+                     ("include", "include (fields only vLLM's Responses route writes)")):
+        if body.get(key):
+            raise Unsupported(why)
+    unknown = sorted(k for k, v in body.items() if k not in _IGNORED and v is not None
+                     and k not in ("background", "previous_response_id", "reasoning", "include", "text"))
+    if unknown:
+        raise Unsupported(f"the field(s) {', '.join(unknown)}")
+    text = body.get("text")
+    if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
+                             or (text.get("format") or {"type": "text"}).get("type") != "text"
+                             or text.get("verbosity") not in (None, "medium")):
+        raise Unsupported(f"text {text!r} (only plain text output)")
+    model, items = body.get("model"), body.get("input")
+    if not isinstance(model, str) or not model:
+        raise Unsupported("a request without a model")
+    messages: list = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list) and items:
+        last = items[-1]
+        if isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning") and \
+                last.get("status") in ("in_progress", "incomplete"):
+            raise Unsupported("a partial last message (vLLM continues it)")
+        for item in items:
+            _item(item, messages)
+    else:
+        raise Unsupported("a request without input")
+    chat = {"model": model, "messages": messages}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    for key in (*_SAMPLING, *_PASSED_THROUGH):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    _tools(body, chat)
+    if "tools" in chat:
+        chat["parallel_tool_calls"] = body.get("parallel_tool_calls") is not False
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _echo(body: dict, model, created, status: str, output: list, usage, response_id: str | None = None) -> dict:
+    """The Response object's envelope, as ``ResponsesResponse.from_request`` fills it (module docstring)."""
+    echoed = {k: body.get(k, v) if body.get(k) is not None else v for k, v in _ECHOED_DEFAULTS.items()}
+    tools = body.get("tools") or []
+    return {"id": response_id or _new_id("resp"), "created_at": created if created is not None else int(time.time()),
+           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+           "instructions": echoed["instructions"], "metadata": echoed["metadata"], "model": model,
+           "object": "response", "output": output,
+           "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+           "temperature": float(body["temperature"]) if body.get("temperature") is not None else 1.0,
+           "tool_choice": body.get("tool_choice") or "auto" if tools else "none", "tools": tools,
+           "top_p": float(body["top_p"]) if body.get("top_p") is not None else 1.0,
+           "background": echoed["background"], "max_output_tokens": body.get("max_output_tokens"),
+           "max_tool_calls": echoed["max_tool_calls"], "previous_response_id": None, "prompt": None,
+           "reasoning": None, "service_tier": echoed["service_tier"], "status": status, "text": echoed["text"],
+           "top_logprobs": None, "truncation": echoed["truncation"], "usage": usage, "user": echoed["user"],
+           "presence_penalty": float(body.get("presence_penalty") or 0.0),
+           "frequency_penalty": float(body.get("frequency_penalty") or 0.0),
+           "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None, "output_messages": None}
+
+
+def usage(chat_usage) -> dict | None:
+    """Responses usage from chat usage."""
+    if not chat_usage:
+        return None
+    prompt, completion = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
+    details = chat_usage.get("prompt_tokens_details") or {}
+    return {"input_tokens": prompt, "input_tokens_details": {
+                "cached_tokens": details.get("cached_tokens") or 0, "cache_write_tokens": 0,
+                "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens": completion, "output_tokens_details": {
+                "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": []},
+            "total_tokens": prompt + completion}
+
+
+def _message_item(text: str, item_id: str | None = None) -> dict:
+    return {"id": item_id or _new_id("msg"), "content": [_text_part(text)], "role": "assistant",
+            "status": "completed", "type": "message", "phase": None}
+
+
+def _text_part(text: str, logprobs=None) -> dict:
+    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+
+def _reasoning_item(text: str, item_id: str | None = None, status=None) -> dict:
+    return {"id": item_id or _new_id("rs"), "summary": [], "type": "reasoning",
+            "content": [{"text": text, "type": "reasoning_text"}], "encrypted_content": None, "status": status}
+
+
+def _call_item(call_id, name, arguments: str, item_id: str | None = None, status="completed") -> dict:
+    return {"arguments": arguments, "call_id": call_id or _new_id("call"), "name": name, "type": "function_call",
+            "id": item_id or _new_id("fc"), "async": None, "caller": None, "namespace": None, "status": status}
+
+
+def status_of(finish_reason) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def to_response(chat: dict, body: dict) -> dict:
+    """The Response object of a chat completion, for the caller's Responses request ``body``."""
+    choice = (chat.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    output = []
+    if message.get("reasoning"):
+        output.append(_reasoning_item(message["reasoning"]))
+    if message.get("content"):
+        output.append(_message_item(message["content"]))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        output.append(_call_item(call.get("id"), fn.get("name"), fn.get("arguments") or ""))
+    return _echo(body, chat.get("model"), chat.get("created"), status_of(choice.get("finish_reason")), output,
+                 usage(chat.get("usage")))
+
+
+class ResponseStream:
+    """Chat completion chunks in, Responses events out (event dicts, ``sequence_number`` in order), as
+    vLLM's ``SimpleStreamingEventProcessor`` writes them; :attr:`response` is the final Response."""
+
+    def __init__(self, body: dict):
+        self.body = body
+        self.sequence = 0
+        self.started = False
+        self.state: str | None = None       # the open item: "reasoning", "content", "tool_call"
+        self.item_id = ""
+        self.text = ""                      # the open item's text (a tool call's arguments)
+        self.call: tuple | None = None      # the open tool call's (index, call id, name)
+        self.output: list[dict] = []
+        self.model = self.created = self.finish_reason = self.usage = None
+        self.id = _new_id("resp")           # one id from response.created to response.completed
+        self.response: dict | None = None
+
+    def _event(self, out: list, event: dict) -> None:
+        event["sequence_number"] = self.sequence
+        self.sequence += 1
+        out.append(event)
+
+    def _envelope(self, status: str, output: list, usage_) -> dict:
+        return _echo(self.body, self.model, self.created, status, output, usage_, self.id)
+
+    def _close(self, out: list) -> None:
+        index, item_id, text = len(self.output), self.item_id, self.text
+        if self.state == "content":
+            part = _text_part(text)
+            item = {**_message_item(text, item_id), "content": [part] if text else []}
+            self._event(out, {"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": index,
+                              "text": text, "type": "response.output_text.done"})
+            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index, "part": part,
+                              "type": "response.content_part.done"})
+        elif self.state == "reasoning":
+            item = _reasoning_item(text, item_id, "completed")
+            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index, "text": text,
+                              "type": "response.reasoning_text.done"})
+            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index,
+                              "part": {"text": text, "type": "reasoning_text"}, "type": "response.content_part.done"})
+        elif self.state == "tool_call":
+            _, call_id, name = self.call
+            item = _call_item(call_id, name, text, item_id)
+            self._event(out, {"arguments": text, "item_id": item_id, "name": name, "output_index": index,
+                              "type": "response.function_call_arguments.done"})
+        else:
+            return
+        self._event(out, {"item": item, "output_index": index, "type": "response.output_item.done"})
+        self.output.append(item)
+        self.state, self.text, self.call = None, "", None
+
+    def _open(self, state: str, out: list, call=None) -> None:
+        self._close(out)
+        index = len(self.output)
+        self.state, self.text = state, ""
+        if state == "content":
+            self.item_id = _new_id("msg")
+            item = {"id": self.item_id, "content": [], "role": "assistant", "status": "in_progress",
+                    "type": "message", "phase": None}
+            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
+            self._event(out, {"content_index": 0, "item_id": self.item_id, "output_index": index,
+                              "part": {**_text_part(""), "logprobs": []}, "type": "response.content_part.added"})
+        elif state == "reasoning":
+            self.item_id = _new_id("rs")
+            item = {"id": self.item_id, "summary": [], "type": "reasoning", "content": None,
+                    "encrypted_content": None, "status": "in_progress"}
+            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
+            self._event(out, {"content_index": 0, "item_id": self.item_id, "output_index": index,
+                              "part": {"text": "", "type": "reasoning_text"}, "type": "response.content_part.added"})
+        else:
+            self.item_id = _new_id("fc")
+            self.call = call
+            item = _call_item(call[1], call[2], "", self.item_id, "in_progress")
+            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
+
+    def _start(self, chunk: dict, out: list) -> None:
+        self.started = True
+        self.model, self.created = chunk.get("model"), chunk.get("created")
+        initial = self._envelope("in_progress", [], None)
+        self._event(out, {"response": initial, "type": "response.created"})
+        self._event(out, {"response": initial, "type": "response.in_progress"})
+
+    def text_delta(self, text: str) -> list[dict]:
+        """The events of a chunk that is only ``text`` while a message item is open (what :meth:`feed`
+        gives for it, without reading the chunk again)."""
+        out: list = []
+        self.text += text
+        self._event(out, {"content_index": 0, "delta": text, "item_id": self.item_id, "logprobs": [],
+                          "output_index": len(self.output), "type": "response.output_text.delta"})
+        return out
+
+    def feed(self, chunk: dict) -> list[dict]:
+        """The events of one chat completion chunk."""
+        out: list = []
+        if not self.started:
+            self._start(chunk, out)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning")
+            if reasoning is not None:
+                if self.state != "reasoning":
+                    self._open("reasoning", out)
+                self.text += reasoning
+                self._event(out, {"content_index": 0, "delta": reasoning, "item_id": self.item_id,
+                                  "output_index": len(self.output), "type": "response.reasoning_text.delta"})
+            if delta.get("content"):
+                if self.state != "content":
+                    self._open("content", out)
+                out += self.text_delta(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                self._tool_call(call, out)
+        return out
+
+    def _tool_call(self, call: dict, out: list) -> None:
+        fn = call.get("function")
+        if fn is None:
+            return
+        index = call.get("index")
+        if self.state != "tool_call" or (index is not None and self.call[0] is not None and index != self.call[0]):
+            self._open("tool_call", out, (index, call.get("id"), fn.get("name")))
+        if fn.get("arguments"):
+            self.text += fn["arguments"]
+            self._event(out, {"delta": fn["arguments"], "item_id": self.item_id, "output_index": len(self.output),
+                              "type": "response.function_call_arguments.delta"})
+
+    def done(self) -> list[dict]:
+        """The events at the chat stream's ``[DONE]``: the open item closed, then ``response.completed``."""
+        out: list = []
+        self._close(out)
+        self.response = self._envelope(status_of(self.finish_reason), list(self.output), usage(self.usage))
+        self._event(out, {"response": self.response, "type": "response.completed"})
+        return out
+
