@@ -123,3 +123,32 @@ def test_the_two_policy_example_gives_each_agent_its_policy_and_scores_each_agen
             {"writer_correct": writer, "checker_right": checker, "reward": reward}) + "\n")
     assert two.per_agent(two.outputs(tmp_path)) == {"rollouts": 4, "writer_correct": 0.5, "checker_right": 0.5,
                                                     "workflow_correct": 0.75}
+
+
+def test_the_agent_lightning_style_agents_import_no_lightspan():
+    """examples/agl_compat is written to Agent Lightning's contract alone: variables in, reward events out."""
+    import ast
+
+    for path in sorted((EXAMPLES / "agl_compat").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {name for name in imported if name.split(".")[0] == "lightspan"}, path
+
+
+def test_the_word_problem_agents_score_the_final_answer():
+    pytest.importorskip("openai")
+    agents = load(EXAMPLES / "agl_compat" / "math_agents.py")
+    assert agents.score("3 boxes of 4 pens: 3 * 4 = 12.\nAnswer: 12", "12") == 1.0
+    assert agents.score("Answer: $1,250.", "1250") == 1.0
+    assert agents.score("that makes 7 apples", "7") == 1.0              # no marker: the last number
+    assert agents.score("Answer: 11\nAnswer: 12", "12") == 1.0          # the last marker counts
+    assert agents.score("Answer: 13", "12") == 0.0 and agents.score("no idea", "12") == 0.0
+
+
+def test_the_calculator_agent_compares_results_as_numbers():
+    pytest.importorskip("autogen_agentchat", reason="pip install 'lightspan[autogen]'")
+    agent = load(EXAMPLES / "agl_compat" / "calculator_agent.py")
+    assert agent.close_enough("12 * 7 - 5 = 79\nResult: 79", "79")
+    assert agent.close_enough("Result: 2.5", "5/2") and agent.close_enough("Result: 3.333", "10/3")
+    assert agent.close_enough("Result: (B)", "(b)") and not agent.close_enough("Result: 78", "79")
