@@ -18,16 +18,16 @@ API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flu
 process added (:mod:`lightspan.collector.routes`: the web UI). API answers are JSON; errors are
 ``{"error": message}`` with 400 for the client's mistakes and never 500 for its data. Queries
 (SQL and the web UI's) run ``sql_max_concurrent`` at a time; a few more wait for a turn, the rest
-get 429 + Retry-After.
+get 429 + Retry-After. Reward posts have turns of their own, so no flood of queries refuses a
+score; ``GET /v1/sql`` from a page of another site (``Sec-Fetch-Site``, ``Origin``: an ``<img>``
+can send it) is refused with 403.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import ssl
-import threading
 import time
 import zlib
 from typing import TYPE_CHECKING
@@ -54,6 +54,7 @@ _API_ROUTES = ("GET /healthz, GET /metrics, POST /v1/flush, POST /v1/rewards, PO
 _GET, _POST = ("/healthz", "/metrics", "/v1/sql"), ("/v1/flush", "/v1/rewards", "/v1/sql")
 _COUNTED = (403, 408, 411, 413, 415, 429, 503)
 _QUERIES_WAITING = 8          # queries that may wait for a turn beyond the ones running
+_REWARDS_WAITING = 32         # reward posts that may wait for theirs (their own turns, not the queries')
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -195,9 +196,11 @@ class API(_Transport):
 
     def __init__(self, collector: "Collector"):
         super().__init__(collector)
-        self._turns = threading.BoundedSemaphore(self.config.sql_max_concurrent)
-        self._waiting = 0
-        self._waiting_lock = threading.Lock()
+        cfg = self.config
+        # reward posts never wait behind queries: a flood of GET /v1/sql must not refuse a score
+        self.queries = http.Turns(cfg.sql_max_concurrent, _QUERIES_WAITING, cfg.sql_timeout_s, cfg.retry_after_s,
+                                  f"queries (sql_max_concurrent={cfg.sql_max_concurrent})")
+        self.reward_posts = http.Turns(1, _REWARDS_WAITING, cfg.sql_timeout_s, cfg.retry_after_s, "reward posts")
 
     def handle(self, request: http.Request) -> http.Response:
         try:
@@ -219,7 +222,7 @@ class API(_Transport):
                 raise http.HTTPError(405, f"use GET on {path}", {"Allow": "GET"})
             if not added.open:
                 self.authorize(request)
-                with self.turn():
+                with self.queries.take():
                     return added.handler(path, request.query, self.collector)
             return added.handler(path, request.query, self.collector)
         rollout_id = api.event_rollout(path)
@@ -244,6 +247,7 @@ class API(_Transport):
         if method == "POST":
             doc = request.json(self.config.max_json_bytes)
             return self.sql(doc.get("sql") if isinstance(doc, dict) else None)
+        self.guard.same_origin(request)     # an <img> on any page can send a GET: not to query
         return self.sql((parse_qs(request.query).get("q") or [""])[0])
 
     def routes_text(self) -> str:
@@ -254,26 +258,6 @@ class API(_Transport):
         refused = self.check_auth(request)
         if refused is not None:
             raise http.HTTPError(401, refused.message, self.retry_headers(refused))
-
-    @contextlib.contextmanager
-    def turn(self):
-        """One of ``sql_max_concurrent`` turns to query; 429 + Retry-After when too many wait."""
-        with self._waiting_lock:
-            if self._waiting >= _QUERIES_WAITING:
-                raise http.retry_later(429, f"too many queries at once (sql_max_concurrent="
-                                            f"{self.config.sql_max_concurrent}); retry later", self.config.retry_after_s)
-            self._waiting += 1
-        try:
-            got = self._turns.acquire(timeout=self.config.sql_timeout_s)
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
-        if not got:
-            raise http.retry_later(429, "no turn to query within sql_timeout_s; retry later", self.config.retry_after_s)
-        try:
-            yield
-        finally:
-            self._turns.release()
 
     def flush(self) -> http.Response:
         try:
@@ -304,7 +288,7 @@ class API(_Transport):
             return http.json_response(400, {"error": str(exc)})
         export = lambda req: self.collector.export(req.SerializeToString(), "protobuf")   # noqa: E731
         try:
-            with self.turn():   # the store is read for the re-post rule
+            with self.reward_posts.take():   # one at a time (the re-post rule reads the store), never behind queries
                 result = self.collector.rewards.post(request, recorded, export)
         except api.Conflict as exc:
             return http.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
@@ -317,7 +301,7 @@ class API(_Transport):
 
     def sql(self, sql) -> http.Response:
         try:
-            with self.turn():
+            with self.queries.take():
                 answer = self.collector.queries.run(sql)
         except api.BadRequest as exc:
             self.collector.metrics.add("sql_errors_total")

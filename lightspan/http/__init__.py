@@ -30,7 +30,9 @@ Cross-site use (:class:`Guard`): a ``Host`` header must name the machine (an IP 
 ``localhost``) or one of the configured names, so a DNS-rebinding page cannot read or write;
 state-changing requests carrying an ``Origin`` must come from the server's own origin or an
 allowed one; JSON routes refuse other content types (:meth:`Request.json`), so a cross-site
-``text/plain`` form cannot post there without a CORS preflight.
+``text/plain`` form cannot post there without a CORS preflight; a GET that costs the server (a
+query) can refuse other sites' pages too (:meth:`Guard.same_origin`). :class:`Turns` bounds how many
+handlers of one kind of work run and wait at once.
 """
 
 from lightspan.config import is_loopback
@@ -38,6 +40,7 @@ from lightspan.http.guard import Guard, bearer, same_token
 from lightspan.http.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
                                     decode_json, json_response, retry_later)
 from lightspan.http.server import Server
+from lightspan.http.turns import Turns
 
 __all__ = ["DRAIN_LIMIT", "ByteBudget", "ClientGone", "Guard", "HTTPError", "Handler", "Limits", "Request", "Response",
-           "Server", "bearer", "decode_json", "is_loopback", "json_response", "retry_later", "same_token"]
+           "Server", "Turns", "bearer", "decode_json", "is_loopback", "json_response", "retry_later", "same_token"]

@@ -60,12 +60,29 @@ class Guard:
             if not (_is_ip(name) or is_loopback(name) or self._named(name)):
                 raise HTTPError(403, f"Host {host[:80]!r} is not served here (DNS-rebinding guard): "
                                      f"add it to {self.field}")
+        if request.method in STATE_CHANGING:
+            self._origin(request)
+
+    def same_origin(self, request: Request) -> None:
+        """Raise 403 for a request that a page of another site made, whatever its method: for a GET
+        that costs the server (a query), which an ``<img>`` on any page can send without an
+        ``Origin``. Browsers say who asked in ``Sec-Fetch-Site``: ``same-origin`` and ``none`` (the
+        user's own navigation) pass, as does a client that sends no such header (curl, scripts)."""
+        site = (request.headers.get("sec-fetch-site") or "").strip().lower()
+        if site in ("cross-site", "same-site"):   # same-site: another port of this host is another origin
+            raise HTTPError(403, f"request from another site (Sec-Fetch-Site: {site}) refused; a browser page "
+                                 "may call this route from this server's own origin only")
+        self._origin(request)
+
+    def _origin(self, request: Request) -> None:
         origin = request.headers.get("origin")
-        if origin is not None and request.method in STATE_CHANGING:
-            netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
-            name = _host_name(netloc) if netloc else ""
-            if not name or not (netloc == (host or "").strip().lower() or is_loopback(name) or self._named(name)):
-                raise HTTPError(403, f"cross-site request from Origin {origin[:80]!r} refused; a browser page may "
-                                     f"call this server from its own origin or one in {self.field}")
+        if origin is None:
+            return
+        host = request.headers.get("host")
+        netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
+        name = _host_name(netloc) if netloc else ""
+        if not name or not (netloc == (host or "").strip().lower() or is_loopback(name) or self._named(name)):
+            raise HTTPError(403, f"cross-site request from Origin {origin[:80]!r} refused; a browser page may "
+                                 f"call this server from its own origin or one in {self.field}")
 
 

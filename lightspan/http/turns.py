@@ -1,0 +1,46 @@
+"""Turns: at most ``running`` handlers in one kind of work at once, ``waiting`` more queued, the rest
+told to retry (see :mod:`lightspan.http`).
+
+A server gives each kind of work that must not crowd out another its own :class:`Turns` (the
+collector: one for queries, one for reward posts), so a flood of one kind is refused with 429 +
+``Retry-After`` while the other kind still gets its turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from lightspan.http.request import retry_later
+
+
+class Turns:
+    """``with turns.take():`` runs the block in one of ``running`` turns; with ``waiting`` requests
+    queued already, or no turn within ``wait_s``, it raises 429 + ``Retry-After``. ``what`` names the
+    work and the setting that bounds it, for the refusal's message."""
+
+    def __init__(self, running: int, waiting: int, wait_s: float, retry_after_s: int, what: str):
+        self.running, self.waiting, self.wait_s, self.retry_after_s, self.what = (running, waiting, wait_s,
+                                                                                retry_after_s, what)
+        self._turns = threading.BoundedSemaphore(running)
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self):
+        with self._lock:
+            if self._queued >= self.waiting:
+                raise retry_later(429, f"too many {self.what} at once; retry later", self.retry_after_s)
+            self._queued += 1
+        try:
+            got = self._turns.acquire(timeout=self.wait_s)
+        finally:
+            with self._lock:
+                self._queued -= 1
+        if not got:
+            raise retry_later(429, f"no turn for {self.what} within {self.wait_s:g} s; retry later",
+                              self.retry_after_s)
+        try:
+            yield
+        finally:
+            self._turns.release()
