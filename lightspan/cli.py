@@ -49,7 +49,10 @@ def _vllm(cfg, args) -> int:
 def _rollout(cfg, args) -> int:
     from lightspan.rollout.runner import run
 
-    return _print_json(run(cfg, _command(args)))
+    summary = run(cfg, _command(args))
+    _print_json(summary)
+    # a span that did not reach the collector fails the run: a lost export is never reported as success
+    return 1 if summary["delivery"]["lost"] else 0
 
 
 def _jobs(cfg, args) -> int:

@@ -5,7 +5,18 @@ attributes ``lightspan.rollout.id``, ``lightspan.task.id`` and ``lightspan.split
 ``OTEL_RESOURCE_ATTRIBUTES``, so every span it exports is grouped with no code change. The task
 itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``env_map`` names).
 After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
-outcome (``ok``, ``failed``, ``timeout``): the rollout's explicit end for the transition builder.
+outcome (``ok``, ``failed``, ``timeout``) and how the process ended (``exit`` with its code,
+``timeout``, ``signal`` N: :data:`semconv.ROLLOUT_END`): the rollout's explicit end for the
+transition builder.
+
+Nothing an agent did is lost however its process ends: each rollout gets its own span spool
+(``LIGHTSPAN_SPOOL``), to which lightspan's instrumentor appends every span as it ends
+(tracing/spool.py), and the runner ships it to the collector with its own exporter, as it runs and
+once the process is gone (rollout/spool.py). The collector's acknowledgement is the receipt: spans
+not acknowledged are counted as lost per rollout (summary, runner span, the ``rollouts`` view) and
+``lightspan rollout`` exits non-zero. Before any rollout runs, the OTLP endpoint is sent an empty
+export in the agents' protocol, and one that speaks the other protocol is refused with the fix
+(rollout/endpoint.py).
 
 By default (``mode`` worker) the rollouts are forked from one warm interpreter (this
 environment's, as below) instead of started from nothing, with the same environment, spans, logs
@@ -54,6 +65,9 @@ from lightspan import store
 from lightspan.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.progress import progress
+from lightspan.rollout import endpoint
+from lightspan.rollout.outcomes import Outcome, capture_summary, delivery_summary, read_report, record_outcome
+from lightspan.rollout.spool import Shipper
 from lightspan.rollout.worker import Worker, start_worker, worker_failure
 from lightspan.tracing import semconv
 
@@ -69,6 +83,9 @@ class RolloutConfig:
     split: str = option("train", "Value of lightspan.split on every rollout: train or val.", choices=("train", "val"))
     timeout_s: float = option(120.0, "Wall-clock limit per rollout; the whole process group is killed.")
     retries: int = option(1, "Extra attempts after an infrastructure failure (never after an agent error).")
+    export_timeout_s: float = option(
+        10.0, "How long the runner's own exporter tries to deliver a rollout's spans (its spool) to the collector "
+              "once the rollout ended; spans still unacknowledged then are counted as lost.")
     otlp_endpoint: str = option(
         "http://127.0.0.1:4318", "Collector endpoint the agents (and the runner) export spans to: the OTLP/HTTP base "
                                  "URL (traces go to its /v1/traces), or with otlp_protocol grpc the OTLP/gRPC endpoint.")
@@ -106,8 +123,9 @@ class RolloutConfig:
         for name in ("samples", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError("rollout", name, "must be at least 1", f"pass --{name} 1 or more")
-        if self.timeout_s <= 0:
-            raise ConfigError("rollout", "timeout_s", "must be positive", "pass --timeout-s SECONDS")
+        for name in ("timeout_s", "export_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError("rollout", name, "must be positive", f"pass --{name.replace('_', '-')} SECONDS")
         if store.is_remote(self.data_dir) and not self.logs_dir:
             raise ConfigError("rollout", "logs_dir", f"data_dir {self.data_dir!r} is a bucket; each rollout's "
                               "output is written to a local directory", "pass --logs-dir DIR")
@@ -257,31 +275,32 @@ def instrumented(command: list[str]) -> list[str]:
     return [str(launcher if launcher.exists() else "opentelemetry-instrument"), *command]
 
 
-@dataclass
-class Outcome:
-    rollout_id: str
-    task_id: str
-    outcome: str          # ok | failed | timeout | infra
-    exit_code: int | None
-    start_ns: int
-    end_ns: int
-    attempt: int
-    capture: dict | None = None   # the agent's capture report (tracing/report.py), if it wrote one
-
-
 def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, version, logs: Path,
-            worker: Worker | None = None) -> Outcome:
+            worker: Worker | None = None, shipper: Shipper | None = None) -> Outcome:
     rollout_id = f"{task['id']}-{uuid.uuid4().hex[:12]}"
-    start = time.time_ns()
     env = agent_environment(cfg, task, rollout_id, version)
     env["PATH"] = activated_path(command, env.get("PATH", ""))
     report = logs / f"{rollout_id}.capture.json"
     env[CAPTURE_REPORT_ENV] = str(report)
+    if shipper is not None:   # every span the agent ends goes to its spool too; shipped as it runs and after
+        env[semconv.SPOOL_ENV] = str((logs / f"{rollout_id}.spool").absolute())
+        shipper.start(rollout_id, env[semconv.SPOOL_ENV],
+                      {semconv.ROLLOUT_ID: rollout_id, semconv.TASK_ID: task["id"], semconv.SPLIT: cfg.split})
+    o = _run_agent(cfg, command, env, task, rollout_id, attempt, logs, worker)
+    o.capture = read_report(report)
+    if shipper is not None:
+        o.delivery = shipper.finish(rollout_id)
+    return o
+
+
+def _run_agent(cfg: RolloutConfig, command: list[str], env: dict, task: dict, rollout_id: str, attempt: int,
+               logs: Path, worker: Worker | None) -> Outcome:
+    start = time.time_ns()
     if worker is not None:  # forked from the warm zygote: the same environment, log and outcomes
         code, outcome = worker.run(env, logs / f"{rollout_id}.log", cfg.timeout_s)
         if outcome != "ok":
             worker_failure(rollout_id, task["id"], outcome, code, logs / f"{rollout_id}.log")
-        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
+        return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
     log_file = open(logs / f"{rollout_id}.log", "wb")
     try:
         proc = subprocess.Popen(instrumented(command), env=env,
@@ -303,76 +322,7 @@ def run_one(cfg: RolloutConfig, command: list[str], task: dict, attempt: int, ve
         tail = (logs / f"{rollout_id}.log").read_text(errors="replace").splitlines()[-5:]
         log.warning("rollout %s (task %s) %s, exit code %s: %s", rollout_id, task["id"], outcome, code,
                     " | ".join(tail))
-    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt, read_report(report))
-
-
-def read_report(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def capture_summary(outcomes: list[Outcome], gateway: bool = False) -> dict:
-    """The rollouts' LLM calls by capture outcome; each reason a call was not captured is logged
-    once, with its fix, and the rollouts none of whose calls were captured are listed."""
-    total = {"calls": 0, "captured": 0, "not_captured": {}, "reasons": {}, "rollouts_without_ids": [],
-             "rollouts_without_report": 0}
-    for o in outcomes:
-        report = o.capture
-        if report is None:
-            total["rollouts_without_report"] += o.outcome == "ok"
-            continue
-        total["calls"] += report.get("calls", 0)
-        total["captured"] += report.get("captured", 0)
-        for status, n in (report.get("not_captured") or {}).items():
-            total["not_captured"][status] = total["not_captured"].get(status, 0) + n
-        for status, reason in (report.get("reasons") or {}).items():
-            total["reasons"].setdefault(status, reason)
-        uncaptured = sum(n for s, n in (report.get("not_captured") or {}).items() if s != "gateway")
-        if uncaptured and not report.get("captured"):
-            total["rollouts_without_ids"].append(o.rollout_id)
-    for status, n in sorted(total["not_captured"].items()):
-        if status == "gateway":
-            continue
-        log.warning("%d LLM call(s) not captured (%s): %s", n, status,
-                    total["reasons"].get(status, "see the rollout logs"))
-    if total["rollouts_without_ids"]:
-        log.warning("%d rollout(s) with LLM calls and no token ids, nothing to train on: %s",
-                    len(total["rollouts_without_ids"]), ", ".join(total["rollouts_without_ids"][:10]))
-    if total["rollouts_without_report"] and not gateway:
-        log.warning("%d rollout(s) left no capture report: the agent did not run lightspan's instrumentor "
-                    "(not a Python agent, or lightspan is not installed in its environment); send its calls "
-                    "through a lightspan gateway (--gateway-url)", total["rollouts_without_report"])
-    return total
-
-
-def _tracer_provider(cfg: RolloutConfig):
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-        exporter = GrpcExporter(endpoint=traces_endpoint(cfg), insecure=True)
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        exporter = OTLPSpanExporter(endpoint=traces_endpoint(cfg))
-    provider = TracerProvider(resource=Resource.create({semconv.SERVICE_NAME: "lightspan-runner"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
-
-
-def record_outcome(tracer, cfg: RolloutConfig, o: Outcome) -> None:
-    from opentelemetry.trace import Status, StatusCode
-
-    outcome = "failed" if o.outcome == "infra" else o.outcome
-    span = tracer.start_span(semconv.SPAN_RUNNER, start_time=o.start_ns, attributes={
-        semconv.ROLLOUT_ID: o.rollout_id, semconv.TASK_ID: o.task_id, semconv.SPLIT: cfg.split,
-        semconv.ROLLOUT_OUTCOME: outcome, semconv.ROLLOUT_EXIT_CODE: -1 if o.exit_code is None else o.exit_code})
-    if outcome != "ok":
-        span.set_status(Status(StatusCode.ERROR, f"rollout {outcome}"))
-    span.end(end_time=o.end_ns)
+    return Outcome(rollout_id, task["id"], outcome, code, start, time.time_ns(), attempt)
 
 
 def run(cfg: RolloutConfig, command: list[str]) -> dict:
@@ -383,8 +333,8 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     version = store.policy.served_version(cfg.data_dir)
     logs = Path(cfg.logs_dir or Path(cfg.data_dir) / "rollout-logs")
     logs.mkdir(parents=True, exist_ok=True)
-    provider = _tracer_provider(cfg)
-    tracer = provider.get_tracer("lightspan.runner")
+    endpoint.check(traces_endpoint(cfg), cfg.otlp_protocol)   # the wrong protocol is refused before any rollout
+    shipper = Shipper(traces_endpoint(cfg), cfg.otlp_protocol, cfg.export_timeout_s)
     t0 = time.monotonic()
     worker = None
     if cfg.mode == "worker" and tasks:   # warmed up in the environment of a rollout of the first task
@@ -394,8 +344,8 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
 
     def attempt_all(task):
         for attempt in range(cfg.retries + 1):
-            o = run_one(cfg, command, task, attempt, version, logs, worker)
-            record_outcome(tracer, cfg, o)
+            o = run_one(cfg, command, task, attempt, version, logs, worker, shipper)
+            record_outcome(shipper, cfg.split, o)
             if o.outcome != "infra":
                 return o
         return o
@@ -418,8 +368,9 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
     finally:
         if worker is not None:
             worker.close()
-    provider.shutdown()  # flushes the outcome spans to the collector
+        shipper.close()
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
     return {"rollouts": len(outcomes), **counts, "policy_version": version,
             "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker",
-            "capture": capture_summary(outcomes, bool(cfg.gateway_url))}
+            "capture": capture_summary(outcomes, bool(cfg.gateway_url)),
+            "delivery": delivery_summary(outcomes, bool(cfg.gateway_url))}

@@ -28,7 +28,9 @@ ALLOWED = {
     "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.capture",
                 "lightspan.tracing.capture_responses", "lightspan.tracing.capture_anthropic",
                 "lightspan.tracing.anthropic_convert", "lightspan.tracing.messages", "lightspan.tracing.urls",
-                "lightspan.tracing.sse", *COMMON},
+                "lightspan.tracing.sse",
+                "lightspan.tracing.spool",   # the runner reads back the spool the agent writes: one format
+                *COMMON},
     "lightningrl": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
     "trainer": {"lightspan.store", "lightspan.tracing.semconv", *COMMON},
     "dashboards": {"lightspan.store", "lightspan.collector", "lightspan.lightningrl", "lightspan.trainer",

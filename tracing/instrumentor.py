@@ -43,7 +43,10 @@ span an instrumentation opened around the call, so the attributes land on it (:m
    token for them (bench/capture_overhead.py). The hook is a plain function: every response of
    every client passes through it, and outside a captured call it costs one context-variable read;
 8. never silent (:mod:`.report`): every generation call is counted by outcome, each reason is
-   logged once with its fix, and ``LIGHTSPAN_CAPTURE_REPORT`` gets the counts at exit.
+   logged once with its fix, and ``LIGHTSPAN_CAPTURE_REPORT`` gets the counts at exit;
+9. nothing lost when the process dies (:mod:`.spool`): with ``LIGHTSPAN_SPOOL`` set (``lightspan
+   rollout`` sets it per rollout), every span is written to that file as it ends, and the runner
+   exports them after the process is gone, however it ended.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.trace import Status, StatusCode
 from wrapt import register_post_import_hook
 
-from lightspan.tracing import semconv, spans, urls
+from lightspan.tracing import semconv, spans, spool, urls
 from lightspan.tracing.calls import Call, prepare
 from lightspan.tracing.capture import loads, with_capture  # noqa: F401  (re-exported: the instrumentor's API)
 from lightspan.tracing.hooks import install_json_hooks, remove_json_hooks, wrap, unwrap_all
@@ -256,11 +259,14 @@ def _wrap_library(library: str):
 
 
 def attach(provider=None) -> None:
-    """Register lightspan's span processor (spans.NESTING) on ``provider`` (default: the
-    instrumentor's, else the global one) when it is an SDK provider that lacks it. ``instrument()``
-    calls it; so does a process that sets its SDK provider only after instrumenting, as a rollout
-    worker's child does (rollout/zygote.py)."""
-    spans.add_processor(provider or spans.tracer_provider() or trace.get_tracer_provider())
+    """Register lightspan's span processors on ``provider`` (default: the instrumentor's, else the
+    global one) when it is an SDK provider that lacks them: spans.NESTING, and with
+    ``LIGHTSPAN_SPOOL`` set (read now), the spool that keeps every ended span should the process die
+    (:mod:`.spool`). ``instrument()`` calls it; so does a process that sets its SDK provider only
+    after instrumenting, as a rollout worker's child does (rollout/zygote.py)."""
+    provider = provider or spans.tracer_provider() or trace.get_tracer_provider()
+    spans.add_processor(provider)
+    spool.attach(provider)
 
 
 class LightspanInstrumentor(BaseInstrumentor):

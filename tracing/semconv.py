@@ -96,6 +96,24 @@ ROLLOUT_EXIT_CODE = "lightspan.rollout.exit_code"
 """The agent process's exit code, on the runner's outcome span."""
 ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
 """``ok``, ``failed`` or ``timeout``, on the runner's outcome span."""
+ROLLOUT_END = "lightspan.rollout.end"
+"""How the agent process ended, on the runner's outcome span: ``exit`` (it exited, with
+:data:`ROLLOUT_EXIT_CODE`: an uncaught exception is an exit with status 1), ``timeout`` (the runner
+killed it at its time limit), ``signal`` (killed by a signal the runner did not send, such as the
+OOM killer's SIGKILL: :data:`ROLLOUT_SIGNAL`) or ``unknown`` (it could not start, or its worker died)."""
+ROLLOUT_ENDS = ("exit", "timeout", "signal", "unknown")
+ROLLOUT_SIGNAL = "lightspan.rollout.signal"
+"""The number of the signal that killed the agent process (:data:`ROLLOUT_END` ``signal``, ``timeout``)."""
+ROLLOUT_SPANS_SPOOLED = "lightspan.rollout.spans.spooled"
+"""On the runner's outcome span: the spans the agent process ended, read back from its spool
+(:data:`SPOOL_ENV`); absent when the agent wrote no spool (it did not run lightspan's instrumentor)."""
+ROLLOUT_SPANS_LOST = "lightspan.rollout.spans.lost"
+"""On the runner's outcome span: of those, the spans the collector did not acknowledge (lost)."""
+ROLLOUT_SPANS_DAMAGED = "lightspan.rollout.spans.damaged"
+"""On the runner's outcome span: spool records cut short (the process was killed mid-write), skipped."""
+SPOOL_ENV = "LIGHTSPAN_SPOOL"
+"""Environment variable the rollout runner gives each rollout: the file the agent appends every
+ended span to (tracing/spool.py), which the runner ships to the collector once the process is gone."""
 AGENT_HEADER = "x-lightspan-agent"
 """HTTP request header by which a caller of the gateway names the agent making the call (an agent
 lightspan does not instrument, or several agents behind one base URL): the gateway's span of the
