@@ -5,7 +5,9 @@ one span (name ``lightspan.reward``, attributes ``lightspan.rollout.id``, ``ligh
 ``lightspan.reward.name``) in an ordinary ``ExportTraceServiceRequest`` that goes through the
 collector's one export path: WAL, fsync, acknowledgement, Parquet. So it is durable before the
 200, and it shows in the ``rewards`` and ``rollouts`` views like a reward span an agent sent.
-Its trace and span ids are a hash of (rollout_id, name, id), the reward's key. **A stored
+Its trace and span ids are a keyed hash of (rollout_id, name, id), the reward's key, that no
+sender can predict (:func:`~lightspan.collector.reward_integrity.reward_ids`); only the API writes
+its scope, and a reward's source is the one posted here (:mod:`~lightspan.collector.reward_integrity`). **A stored
 reward is never changed** (it may have been trained on already): posting the same key again with
 the same value is idempotent (200, the reward reported ``already_stored``, nothing written twice,
 however long after and across restarts), and with another value the request is refused with 409
@@ -36,7 +38,6 @@ import collections
 import contextlib
 import datetime as dt
 import decimal
-import hashlib
 import json
 import math
 import re
@@ -51,10 +52,11 @@ import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from lightspan import store
+from lightspan.collector.reward_integrity import reward_ids
+from lightspan.store.schema import REWARD_SCOPE
 from lightspan.tracing import semconv as sc
 
 REWARD_ID = "lightspan.reward.id"       # the idempotency key of a posted reward
-REWARD_SCOPE = "lightspan.collector.rewards"
 MAX_REWARDS = 10_000                    # per request
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 # optional keys -> (attribute, longest value): who scored, why, a corrected answer, the call scored
@@ -71,14 +73,6 @@ class BadRequest(ValueError):
 
 # --- rewards -----------------------------------------------------------------------------------
 
-def reward_ids(rollout_id: str, name: str, key: str | None) -> tuple[bytes, bytes]:
-    """The deterministic (trace_id, span_id) of one posted reward."""
-    digest = hashlib.sha256("\x00".join(["lightspan.reward", rollout_id, name, key or ""]).encode()).digest()
-    trace_id, span_id = digest[:16], digest[16:24]
-    # an all-zero id is invalid in OTLP; astronomically unlikely, but never emit one
-    return trace_id if any(trace_id) else b"\x01" * 16, span_id if any(span_id) else b"\x01" * 8
-
-
 def _text(item: dict, key: str, where: str, *, required: bool) -> str | None:
     value = item.get(key)
     if value is None:
@@ -93,14 +87,15 @@ def _text(item: dict, key: str, where: str, *, required: bool) -> str | None:
     return value
 
 
-def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, list[dict]]:
+def reward_request(doc, now_unix_nano: int, secret: bytes) -> tuple[ExportTraceServiceRequest, list[dict]]:
     """A JSON reward (or a list of them) → one span each; returns (request, what was recorded).
 
     A reward is ``{"rollout_id": str, "value": number, "name": "reward", "id": optional key,
     "task_id": optional}``, optionally with ``source`` (agent, judge, human or api: the default),
     ``comment``, ``correction`` (a corrected answer), ``span_id`` (the LLM call it scores: 16 hex
-    digits), ``judge_model`` and ``rubric_sha256``. Raises :class:`BadRequest` naming the offending
-    item and field.
+    digits), ``judge_model`` and ``rubric_sha256``. ``secret`` keys the reward ids (the collector's,
+    :func:`~lightspan.collector.reward_integrity.load_key`). Raises :class:`BadRequest` naming the
+    offending item and field.
     """
     items = doc if isinstance(doc, list) else [doc]
     if not items:
@@ -138,7 +133,7 @@ def reward_request(doc, now_unix_nano: int) -> tuple[ExportTraceServiceRequest, 
             raise BadRequest(f"{where}: 'span_id' must be the call's span id, 16 lowercase hex digits")
         # a reward on one call is keyed by the call too (two calls scored under one name are two rewards)
         call = extra.get("span_id")
-        trace_id, span_id = reward_ids(rollout_id, name, key if call is None else f"{key or ''}\x00{call}")
+        trace_id, span_id = reward_ids(secret, rollout_id, name, key if call is None else f"{key or ''}\x00{call}")
         span = scope.spans.add(trace_id=trace_id, span_id=span_id, name=sc.SPAN_REWARD, kind=1,
                                start_time_unix_nano=now_unix_nano, end_time_unix_nano=now_unix_nano)
         attrs = [(sc.ROLLOUT_ID, rollout_id), (sc.REWARD, value), (sc.REWARD_NAME, name)]

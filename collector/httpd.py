@@ -282,11 +282,11 @@ class API(_Transport):
 
     def rewards(self, doc) -> http.Response:
         try:
-            request, recorded = api.reward_request(doc, time.time_ns())
+            request, recorded = api.reward_request(doc, time.time_ns(), self.collector.reward_key)
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
             return http.json_response(400, {"error": str(exc)})
-        export = lambda req: self.collector.export(req.SerializeToString(), "protobuf")   # noqa: E731
+        export = lambda req: self.collector.export(req.SerializeToString(), "protobuf", own=True)   # noqa: E731
         try:
             with self.reward_posts.take():   # one at a time (the re-post rule reads the store), never behind queries
                 result = self.collector.rewards.post(request, recorded, export)

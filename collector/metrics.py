@@ -25,6 +25,9 @@ COUNTERS = {
     "rewards_accepted_total": "Late rewards stored through POST /v1/rewards or POST /v1/rollouts/ID/events "
                               "(a re-post of a stored reward is not counted).",
     "events_ignored_total": "Agent Lightning events acknowledged but not stored (an event_type other than reward).",
+    "reward_forgeries_total": "OTLP spans rejected because they claimed the reward scope only the API writes "
+                              "(lightspan.collector.rewards).",
+    "reward_claims_total": "OTLP spans whose lightspan.reward.source claim was set aside: stored as the agent's.",
     "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
     "compactions_total": "Date partitions whose small Parquet files were merged into one.",
     "files_compacted_total": "Small Parquet files removed by compaction (replaced by merged files).",

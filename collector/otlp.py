@@ -15,6 +15,10 @@ visible, and the transition builder treats it like any call whose capture failed
 and logprobs to train on) instead of a rollout silently missing one of its calls. A promoted attribute of an unexpected type (say, a string where
 an int belongs) is not promoted and stays in ``attributes``, so nothing is lost.
 
+A span that claims a reward's source (``lightspan.reward.source``) outside the API's reward scope
+is stored with the claim set aside as ``lightspan.reward.claimed_source`` and counted: a reward's
+source is the collector's to say (:mod:`lightspan.collector.reward_integrity`).
+
 Token ids and logprobs arrive as little-endian int32/float32 bytes (``semconv.encode_ids``);
 they are decoded with one ``numpy.frombuffer`` per batch instead of per-span Python lists.
 """
@@ -31,6 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from lightspan.store import SPAN_SCHEMA
+from lightspan.store.schema import REWARD_SCOPE
 from lightspan.tracing import semconv as sc
 
 # traceloop's instrumentation names the operation here when gen_ai.operation.name is absent
@@ -243,6 +248,8 @@ def _span_row(span, scope_name: str, resource: dict, received_unix_nano: int) ->
         "received_unix_nano": received_unix_nano,
     }
     attrs = _attributes(span)
+    if sc.REWARD_SOURCE in attrs and scope_name != REWARD_SCOPE:   # only the API says who gave a reward
+        attrs[sc.REWARD_CLAIMED_SOURCE] = attrs.pop(sc.REWARD_SOURCE)
     keep_anyway = set()
     promoted = set()
     for key, column, convert in _PROMOTED:
@@ -340,9 +347,9 @@ def flatten(request: ExportTraceServiceRequest, received_unix_nano: int) -> tupl
     return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA), rejected, first_error
 
 
-def _check_span(span) -> AnyValue | None:
+def _check_span(span) -> tuple[AnyValue | None, bool]:
     """Raise _Reject where :func:`_span_row` would: the same conditions, without building the row;
-    returns its logprobs attribute (see :func:`_unusable`)."""
+    returns its logprobs attribute (see :func:`_unusable`) and whether it claims a reward source."""
     _id(span.trace_id, "trace_id", 16, _ZERO_TRACE)
     _id(span.span_id, "span_id", 8, _ZERO_SPAN)
     if span.parent_span_id:
@@ -351,11 +358,15 @@ def _check_span(span) -> AnyValue | None:
     _time(span.end_time_unix_nano, "end_time_unix_nano")
     for event in span.events:
         _time(event.time_unix_nano, "event time")
-    seen, logprobs = 0, None
+    seen, logprobs, claim = 0, None, False
     for kv in span.attributes:
         key = kv.key
-        if key in _PACKED_KEYS:
-            convert, bit = _PACKED_KEYS[key]
+        if key in _WATCHED:          # one lookup per attribute, as before the source was watched
+            watched = _WATCHED[key]
+            if watched is None:      # lightspan.reward.source
+                claim = True
+                continue
+            convert, bit = watched
             if seen & bit:
                 raise _Reject(f"attribute {key} appears more than once")
             seen |= bit
@@ -365,39 +376,50 @@ def _check_span(span) -> AnyValue | None:
                 continue
             if key == sc.COMPLETION_LOGPROBS:
                 logprobs = kv.value
-    return logprobs
+    return logprobs, claim
 
 
 # token-id and logprob keys: (converter, a bit of their own, to find a key given twice)
 _PACKED_KEYS = {key: (convert, 1 << n) for n, (key, _, convert) in
                 enumerate(p for p in _PROMOTED if p[2] in (_packed, _choices))}
+_WATCHED = {**_PACKED_KEYS, sc.REWARD_SOURCE: None}
 
 
-def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str | None]:
+def check(request: ExportTraceServiceRequest) -> tuple[int, int, str | None, str | None, int]:
     """What :func:`flatten` would accept, at a fraction of its cost: (spans accepted, spans
     rejected, first rejection reason, a warning naming the spans stored as ``invalid_logprobs`` or
-    None). The receivers answer with this; the writer flattens."""
+    whose reward source claim was set aside, or None; and how many such claims). The receivers
+    answer with this; the writer flattens."""
     accepted, rejected, first_error, with_logprobs = 0, 0, None, []
+    claims, first_claim = 0, None
     for r, resource_spans in enumerate(request.resource_spans):
         for s, scope_spans in enumerate(resource_spans.scope_spans):
+            own = scope_spans.scope.name == REWARD_SCOPE      # the API's rewards: their source is theirs
             for i, span in enumerate(scope_spans.spans):
                 try:
-                    logprobs = _check_span(span)
+                    logprobs, claim = _check_span(span)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:
                         first_error = f"resource_spans[{r}].scope_spans[{s}].spans[{i}]: {exc}"
                     continue
                 accepted += 1
+                if claim and not own:
+                    claims += 1
+                    first_claim = first_claim or f"resource_spans[{r}].scope_spans[{s}].spans[{i}]"
                 if logprobs is not None:
                     with_logprobs.append(((r, s, i), _logprob_chunks(logprobs)))
     unusable, first_unusable = 0, None
     if with_logprobs and not _all_finite([c for _, chunks in with_logprobs for c in chunks]):
         bad = [where for where, chunks in with_logprobs if not _all_finite(chunks)]
         unusable, first_unusable = len(bad), "resource_spans[{}].scope_spans[{}].spans[{}]".format(*bad[0])
-    warning = (f"{unusable} span(s) stored with capture status {INVALID_LOGPROBS} (NaN or infinite values in "
-               f"{sc.COMPLETION_LOGPROBS}: never trained on); first: {first_unusable}") if unusable else None
-    return accepted, rejected, first_error, warning
+    warnings = [f"{unusable} span(s) stored with capture status {INVALID_LOGPROBS} (NaN or infinite values in "
+                f"{sc.COMPLETION_LOGPROBS}: never trained on); first: {first_unusable}"] if unusable else []
+    if claims:
+        warnings.append(f"{claims} span(s) claim {sc.REWARD_SOURCE}: stored as the agent's, the claim set aside "
+                        f"as {sc.REWARD_CLAIMED_SOURCE} (a judge's or a person's reward is posted to POST "
+                        f"/v1/rewards); first: {first_claim}")
+    return accepted, rejected, first_error, "; ".join(warnings) or None, claims
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from lightspan import http, store
-from lightspan.collector import httpd, jsonlog, sqlpool
+from lightspan.collector import httpd, jsonlog, reward_integrity, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_INFO_KEY, GrpcReceiver,
@@ -60,6 +60,7 @@ class Collector:
         self.data_dir = store.data_dir(config.data_dir)     # a Path, or an s3:// URL
         self.metrics = Metrics()
         self.rewards = RewardBook(self.data_dir, config.dedup_max_keys)
+        self.reward_key = b""        # keys the ids of posted rewards (reward_integrity.load_key), set by start()
         self._state_lock = threading.Lock()
         self._state = "new"           # new → running → stopped (→ running again)
         self._refusal_log = jsonlog.RateLimit(config.log_refusals_every_s)
@@ -113,6 +114,7 @@ class Collector:
             self._bind()
             try:
                 self.writer.open()
+                self.reward_key = reward_integrity.load_key(self.data_dir)
             except BaseException:
                 self._unbind()
                 raise
@@ -166,28 +168,32 @@ class Collector:
                 server.close()
 
     # --- the one export handler ---
-    def export(self, payload: bytes, encoding: str = "protobuf", signal: str = "traces") -> ExportResult:
+    def export(self, payload: bytes, encoding: str = "protobuf", signal: str = "traces", *,
+               own: bool = False) -> ExportResult:
         """Parse, validate, admit, make durable, enqueue. ``encoding``: "protobuf" or "json";
-        ``signal``: "traces" or "logs"."""
+        ``signal``: "traces" or "logs"; ``own``: the API's rewards, the one request that may hold
+        spans of the reward scope (:mod:`~lightspan.collector.reward_integrity`)."""
         kind = SIGNALS[signal]
         try:
             request = kind[encoding](payload)
         except DecodeError as exc:
             return self.refuse(Outcome.INVALID, str(exc), signal)
-        if encoding == "json":
-            payload = request.SerializeToString()      # the WAL holds protobuf only
+        forged, forged_error = (0, None) if own or signal != "traces" else reward_integrity.drop_reserved(request)
+        if encoding == "json" or forged:
+            payload = request.SerializeToString()      # the WAL holds protobuf only, and no forged reward
         if signal == "logs":
             payload = LOGS_TAG + payload
-        total = kind["count"](request)
+        total = kind["count"](request) + forged
         noun = kind["metric"]
         self.metrics.add(f"{noun}_received_total", total)
         received = time.time_ns()
         if signal == "traces":   # checked here, flattened by the writer, off the request path
-            accepted, rejected, first_error, unusable = check(request)
+            accepted, rejected, first_error, unusable, claims = check(request)
             data, size = payload, len(payload)
+            rejected, first_error = rejected + forged, forged_error or first_error
         else:                    # log records are few: flattened here
             data, rejected, first_error = kind["flatten"](request, received)
-            accepted, size, unusable = data.num_rows, data.nbytes, None
+            accepted, size, unusable, claims = data.num_rows, data.nbytes, None, 0
         message = f"{rejected} of {total} {noun.replace('_', ' ')} rejected; first: {first_error}" if rejected else ""
         if unusable:   # stored, but marked: an OTLP warning (rejected 0, a message)
             message = "; ".join(m for m in (message, unusable) if m)
@@ -199,6 +205,14 @@ class Collector:
         if rejected:
             self.metrics.add(f"{noun}_rejected_total", rejected)
             log.debug("export: %s", message)
+        if forged or claims:     # what an agent sent to set its own reward: counted, logged now and then
+            self.metrics.add("reward_forgeries_total", forged)
+            self.metrics.add("reward_claims_total", claims)
+            suppressed = self._refusal_log.check("reward_claims")
+            if suppressed is not None:
+                log.warning("export: %d span(s) in the collector's reward scope rejected, %d reward source "
+                            "claim(s) stored as the agent's", forged, claims,
+                            extra={"forged": forged, "claims": claims, "suppressed": suppressed})
         return ExportResult(Outcome.OK, message, accepted, rejected, signal)
 
     def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:

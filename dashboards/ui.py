@@ -30,7 +30,7 @@ import duckdb
 import numpy as np
 
 from lightspan.lightningrl.credit import rewards_per_call
-from lightspan.store.views import NOT_CAPTURED_REASON
+from lightspan.store.views import NOT_CAPTURED_REASON, REWARD_ORDER
 from lightspan.config import parse_duration
 
 MAX_LIMIT = 1000
@@ -269,15 +269,15 @@ ORDER BY start_time_unix_nano, end_time_unix_nano, span_id
 _REWARDS_SQL = f"""
 SELECT trace_id, span_id, reward_name, reward, time_unix_nano, source, call_span_id, comment, correction,
        judge_model FROM rewards
-WHERE {_IN_TRACES} AND rollout_key = $key AND isfinite(reward) ORDER BY time_unix_nano, span_id
+WHERE {_IN_TRACES} AND rollout_key = $key AND isfinite(reward) ORDER BY received_unix_nano, time_unix_nano, span_id
 """
 # the rollouts view's columns for this rollout's traces only (the view itself would scan every span)
 _SUMMARY_SQL = f"""
 SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
        any_value(split) FILTER (WHERE split IS NOT NULL) AS split,
-       coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+       coalesce(arg_max(reward, {REWARD_ORDER}) FILTER (WHERE reward IS NOT NULL
                     AND attributes['lightspan.reward.call_span_id'] IS NULL),
-                arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
+                arg_max(reward, {REWARD_ORDER}) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
        max(model_version) AS model_version, bool_or(status_code = 'ERROR') AS has_error,
        any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
            FILTER (WHERE name = 'lightspan.runner') AS outcome,

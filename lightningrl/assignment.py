@@ -38,9 +38,10 @@ def empty_stats() -> dict:
 
 
 def final_rewards(reward: np.ndarray, per_call: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """R_i: each rollout's last reward by time that scores the rollout, else (only calls were scored)
-    its last reward. ``reward`` and ``per_call`` are sorted by (rollout, time); rollout i's rewards
-    are ``bounds[i]:bounds[i + 1]``, and each rollout has one."""
+    """R_i: each rollout's last reward received that scores the rollout, else (only calls were
+    scored) its last reward. ``reward`` and ``per_call`` are sorted by (rollout, the time the
+    collector received the reward, its time): a sender's clock never makes its reward the last
+    (store.REWARD_ORDER); rollout i's rewards are ``bounds[i]:bounds[i + 1]``, and each rollout has one."""
     out = np.empty(len(bounds) - 1)
     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         whole = np.flatnonzero(~per_call[lo:hi])

@@ -21,7 +21,8 @@ call that ended at or before the reward's time (end time of the reward span).
 Deviations:
 
 1. The paper's LightningRL assigns the *final* reward; with several reward spans ``identical``
-   uses the last one by time (ties broken by span id) and ignores the others. Use
+   uses the last one the collector received (then by the sender's time, then span id: a
+   sender's clock cannot make its reward the last) and ignores the others. Use
    ``discounted`` (γ = 1 sums them) to let every reward count.
 2. A reward emitted before any call ended goes to the first call (r_0), not dropped: the agent
    reported it, so it must be credited somewhere, and only a call can hold it.

@@ -159,9 +159,10 @@ WHERE a.trace_id = c.trace_id AND a.span_id = c.span_id
 
 REWARDS_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_rewards AS
--- a reward naming a call counts at that call's end, so it is the call's reward (credit.rewards_per_call)
+-- a reward naming a call counts at that call's end, so it is the call's reward (credit.rewards_per_call);
+-- received_ns, when the collector received it, orders the rewards (the last is final: store.REWARD_ORDER)
 SELECT s.rollout_key, coalesce(c.end_ns, s.end_ns) AS time_ns, s.span_id, s.reward,
-       s.reward_call IS NOT NULL AS per_call
+       s.reward_call IS NOT NULL AS per_call, coalesce(s.received_unix_nano, s.end_ns) AS received_ns
 FROM _lrl_spans s JOIN _lrl_rollouts r USING (rollout_key)
 LEFT JOIN _lrl_spans c ON c.span_id = s.reward_call AND c.rollout_key = s.rollout_key
 WHERE r.reason IS NULL AND s.reward IS NOT NULL AND isfinite(s.reward)
@@ -225,7 +226,7 @@ ORDER BY k.ridx, c.start_ns, c.end_ns, c.span_id, c.trace_id
 FETCH_REWARDS_SQL = """
 SELECT k.ridx, w.time_ns, w.reward, w.per_call
 FROM _lrl_rewards w JOIN _lrl_ready k USING (rollout_key)
-ORDER BY k.ridx, w.time_ns, w.span_id, w.reward
+ORDER BY k.ridx, w.received_ns, w.time_ns, w.span_id, w.reward
 """
 
 DROPPED_CALLS_SQL = """

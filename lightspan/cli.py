@@ -71,7 +71,9 @@ def _transitions(cfg, args) -> int:
 def _judge(cfg, args) -> int:
     from lightspan.lightningrl.judge import run
 
-    return _print_json(run(cfg))
+    stats = run(cfg)
+    _print_json(stats)
+    return 1 if stats.get("judge/groups_failed") else 0     # the other groups were stored; this one was not
 
 
 def _export(cfg, args) -> int:

@@ -26,6 +26,7 @@ from lightspan.store.layout import (DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fs
 _LAZY = {
     "SPAN_SCHEMA": "schema", "LOG_SCHEMA": "schema", "TRANSITION_SCHEMA": "schema",
     "TRAIN_STEP_SCHEMA": "schema", "SCHEMAS": "schema", "TABLES": "schema", "PARTITIONED": "schema",
+    "REWARD_SCOPE": "schema", "REWARD_ORDER": "views",
     "SUPERSEDES_SUFFIX": "files", "table_files": "files", "write_table": "files", "open_input": "files",
     "connect": "views", "with_all_columns": "views", "retry_vanished": "views", "dedup_clause": "views",
     "quote": "views", "quote_list": "views",

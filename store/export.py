@@ -50,7 +50,7 @@ WITH calls AS (
 given AS (
     SELECT rollout_key, to_json(list({{'name': reward_name, 'value': reward, 'source': source, 'comment': comment,
                                        'correction': correction, 'call_span_id': call_span_id}}
-                                     ORDER BY time_unix_nano)) AS rewards
+                                     ORDER BY received_unix_nano, time_unix_nano, span_id)) AS rewards
     FROM rewards GROUP BY rollout_key)
 SELECT r.rollout_key, r.task_id, coalesce(r.split, 'train') AS split, r.model_version, r.final_reward, r.status,
        r.outcome, r.num_llm_calls, r.start_time_unix_nano, r.end_time_unix_nano, calls.messages, given.rewards

@@ -135,6 +135,11 @@ SCHEMAS = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps"
 TABLES = tuple(SCHEMAS)
 """The base tables: one directory each under the data directory."""
 
+REWARD_SCOPE = "lightspan.collector.rewards"
+"""The instrumentation scope of the rewards the collector's API writes (``POST /v1/rewards``). Only
+the API writes spans in it (the collector rejects an OTLP span that claims it), so the views take a
+reward's source from it: any other reward span is the agent's, whatever it claims."""
+
 # tables written by the collector: hive-partitioned by date, deduplicated on these keys when
 # written (at-least-once delivery: the first copy received wins; see collector/dedup.py)
 PARTITIONED = {"spans": ("trace_id", "span_id"), "logs": ("record_id",)}

@@ -17,7 +17,7 @@ import duckdb
 
 from lightspan.store.files import table_files
 from lightspan.store.layout import data_dir, is_remote
-from lightspan.store.schema import PARTITIONED, SCHEMAS
+from lightspan.store.schema import PARTITIONED, REWARD_SCOPE, SCHEMAS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +30,10 @@ NOT_CAPTURED_REASON = (
     "send its calls through a lightspan gateway")
 """``capture_reason`` of a rollout whose uncaptured calls carry no ``lightspan.capture.status``."""
 _NOT_CAPTURED_SQL = "'" + NOT_CAPTURED_REASON.replace("'", "''") + "'"
+REWARD_ORDER = "(coalesce(received_unix_nano, end_time_unix_nano), end_time_unix_nano, span_id)"
+"""The order of a rollout's reward spans, the last one final: when the collector received each (a
+sender's clock is its own claim: an agent's reward dated 2262 never outranks a person's later score),
+then, within one request, the sender's end time. The builder orders its rewards the same way."""
 
 # Views over the base tables. ``rollout_key`` is lightspan.rollout.id, else the trace id: without
 # a root span every chat call is its own trace (docs/architecture.md, "Attributes").
@@ -58,12 +62,17 @@ _VIEWS = {
                OR NOT (list_contains(_token_parents, span_id) OR prompt_token_ids IS NULL))
           -- a span without token ids inside one with them describes the same call
           AND NOT (prompt_token_ids IS NULL AND coalesce(list_contains(_token_spans, parent_span_id), false))""",
-    # who gave each reward and why (lightspan.reward.*): a reward span without a source is the agent's
-    "rewards": """
+    # who gave each reward and why (lightspan.reward.*). The source is what the collector knows: a
+    # reward the API wrote (its scope, which no OTLP span may claim) says who posted it; any other
+    # reward span is the agent's, whatever it claims. received_unix_nano orders them (REWARD_ORDER).
+    "rewards": f"""
         SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id, split,
                trace_id, span_id, coalesce(reward_name, 'reward') AS reward_name, reward,
                end_time_unix_nano AS time_unix_nano,
-               coalesce(json_extract_string(attributes['lightspan.reward.source'], '$'), 'agent') AS source,
+               coalesce(received_unix_nano, end_time_unix_nano) AS received_unix_nano,
+               CASE WHEN scope_name = '{REWARD_SCOPE}'
+                    THEN coalesce(json_extract_string(attributes['lightspan.reward.source'], '$'), 'api')
+                    ELSE 'agent' END AS source,
                json_extract_string(attributes['lightspan.reward.call_span_id'], '$') AS call_span_id,
                json_extract_string(attributes['lightspan.reward.comment'], '$') AS comment,
                json_extract_string(attributes['lightspan.reward.correction'], '$') AS correction,
@@ -80,10 +89,11 @@ _VIEWS = {
                    any_value(service_name) AS service_name,
                    count(*) AS num_spans,
                    count(*) FILTER (WHERE prompt_token_ids IS NOT NULL) AS num_llm_calls,
-                   -- the last reward that scores the whole rollout; with only calls scored, the last of those
-                   coalesce(arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL
+                   -- the last reward received that scores the whole rollout; with only calls scored, the
+                   -- last of those (REWARD_ORDER: never the sender's clock first)
+                   coalesce(arg_max(reward, {REWARD_ORDER}) FILTER (WHERE reward IS NOT NULL
                                 AND attributes['lightspan.reward.call_span_id'] IS NULL),
-                            arg_max(reward, end_time_unix_nano) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
+                            arg_max(reward, {REWARD_ORDER}) FILTER (WHERE reward IS NOT NULL)) AS final_reward,
                    bool_or(status_code = 'ERROR') AS has_error,
                    min(start_time_unix_nano) AS start_time_unix_nano,
                    max(end_time_unix_nano) AS end_time_unix_nano,
@@ -149,18 +159,18 @@ _DERIVED = {
                      max(model_version) AS model_version
               FROM llm_calls WHERE policy IS NOT NULL GROUP BY ALL) p
         JOIN rollouts r USING (rollout_key)""",
-    # the judge's and a person's scores of the same rollout (the latest of each), where both exist
+    # the judge's and a person's scores of the same rollout (the latest received of each), where both exist
     "reward_agreement": """
         SELECT rollout_key, any_value(task_id) AS task_id,
-               arg_max(reward, time_unix_nano) FILTER (WHERE source = 'judge') AS judge,
-               arg_max(reward, time_unix_nano) FILTER (WHERE source = 'human') AS human
+               arg_max(reward, (received_unix_nano, time_unix_nano, span_id)) FILTER (WHERE source = 'judge') AS judge,
+               arg_max(reward, (received_unix_nano, time_unix_nano, span_id)) FILTER (WHERE source = 'human') AS human
         FROM rewards WHERE call_span_id IS NULL GROUP BY rollout_key
         HAVING judge IS NOT NULL AND human IS NOT NULL""",
     # reward drift: the mean rollout reward each source gave per policy version (each rollout's
     # latest score from each source); a judge that drifts from people as the policy learns shows here
     "reward_drift": """
         WITH latest AS (
-            SELECT rollout_key, source, arg_max(reward, time_unix_nano) AS reward
+            SELECT rollout_key, source, arg_max(reward, (received_unix_nano, time_unix_nano, span_id)) AS reward
             FROM rewards WHERE call_span_id IS NULL GROUP BY ALL)
         SELECT r.model_version, coalesce(r.split, 'train') AS split, l.source, count(*) AS rollouts,
                avg(l.reward) AS reward_mean

@@ -81,7 +81,11 @@ REWARD_NAME = "lightspan.reward.name"
 """Names the reward (``lightspan.reward.name``); the default name is ``reward``."""
 REWARD_SOURCE = "lightspan.reward.source"
 """Who gave the reward: ``agent`` (a reward span the agent emitted; the default), ``judge``
-(``lightspan reward judge``), ``human`` (the web UI) or ``api`` (any other ``POST /v1/rewards``)."""
+(``lightspan reward judge``), ``human`` (the web UI) or ``api`` (any other ``POST /v1/rewards``).
+Only the collector's API sets it: on a span sent over OTLP it is set aside (:data:`REWARD_CLAIMED_SOURCE`)."""
+REWARD_CLAIMED_SOURCE = "lightspan.reward.claimed_source"
+"""Set by the collector: the :data:`REWARD_SOURCE` an OTLP span claimed, set aside. Only rewards
+posted to the collector's API have a source other than ``agent`` (collector/reward_integrity.py)."""
 REWARD_COMMENT = "lightspan.reward.comment"
 """Why: a judge's reason or a person's comment."""
 REWARD_CORRECTION = "lightspan.reward.correction"

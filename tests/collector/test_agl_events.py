@@ -15,7 +15,7 @@ def test_a_reward_event_is_the_reward_the_rewards_route_takes():
     reward = api.event_reward("r 1", {"event_type": "reward", "data": {"value": 0.5, "message": "solved"}}, 42)
     assert reward == {"rollout_id": "r 1", "value": 0.5, "name": "reward", "id": "event-42", "source": "agent",
                       "comment": "solved"}
-    request, recorded = api.reward_request(reward, 42)
+    request, recorded = api.reward_request(reward, 42, bytes(32))
     assert recorded[0]["rollout_id"] == "r 1" and recorded[0]["value"] == 0.5 and recorded[0]["source"] == "agent"
     # another event type is not a reward; the events path carries the rollout id, percent-encoded
     assert api.event_reward("r", {"event_type": "note", "data": {"text": "hi"}}, 1) is None

@@ -18,15 +18,18 @@ from lightspan.collector import api
 from lightspan.collector.server import Collector
 from tests.collector.helpers import api_url, config, grpc_exporter, make_spans, query, raw_rows
 
+KEY = bytes(range(32))       # a collector's reward-id secret (reward_integrity.load_key)
+
 
 # --- rewards -------------------------------------------------------------------------------------
 
-def test_reward_ids_are_deterministic_per_rollout_name_and_key():
-    request, recorded = api.reward_request([{"rollout_id": "r", "value": 1}, {"rollout_id": "r", "value": 0.5}], 7)
+def test_reward_ids_are_deterministic_per_rollout_name_and_key_and_secret():
+    request, recorded = api.reward_request([{"rollout_id": "r", "value": 1}, {"rollout_id": "r", "value": 0.5}], 7, KEY)
     assert recorded[0]["trace_id"] == recorded[1]["trace_id"]            # same key: same ids
-    ids = {api.reward_ids("r", "reward", None), api.reward_ids("r", "reward", "2"), api.reward_ids("r", "judge", None),
-           api.reward_ids("r2", "reward", None)}
-    assert len(ids) == 4
+    ids = {api.reward_ids(KEY, "r", "reward", None), api.reward_ids(KEY, "r", "reward", "2"),
+           api.reward_ids(KEY, "r", "judge", None), api.reward_ids(KEY, "r2", "reward", None),
+           api.reward_ids(bytes(32), "r", "reward", None)}
+    assert len(ids) == 5                                                  # another collector's secret: other ids
     span = request.resource_spans[0].scope_spans[0].spans[0]
     assert span.name == "lightspan.reward" and span.end_time_unix_nano == 7
     assert {kv.key for kv in span.attributes} == {"lightspan.rollout.id", "lightspan.reward", "lightspan.reward.name",
@@ -37,17 +40,17 @@ def test_reward_ids_are_deterministic_per_rollout_name_and_key():
 def test_a_reward_may_say_who_gave_it_and_which_call_it_scores():
     doc = {"rollout_id": "r", "value": 1, "name": "human", "source": "human", "comment": "ok", "span_id": "ab" * 8,
            "correction": "5"}
-    request, (recorded,) = api.reward_request(doc, 7)
+    request, (recorded,) = api.reward_request(doc, 7, KEY)
     attrs = {kv.key: kv.value.string_value for kv in request.resource_spans[0].scope_spans[0].spans[0].attributes}
     assert attrs["lightspan.reward.call_span_id"] == "ab" * 8 and attrs["lightspan.reward.correction"] == "5"
     assert recorded["call_span_id"] == "ab" * 8 and recorded["span_id"] != "ab" * 8     # the reward's own span
     # two calls of one rollout scored under one name are two rewards
-    _, (other,) = api.reward_request({**doc, "span_id": "cd" * 8}, 7)
+    _, (other,) = api.reward_request({**doc, "span_id": "cd" * 8}, 7, KEY)
     assert other["span_id"] != recorded["span_id"]
     for bad, message in [({"source": "robot"}, "'source' must be one of"), ({"span_id": "XYZ"}, "16 lowercase hex"),
                          ({"comment": "x" * 5000}, "longer than 4096")]:
         with pytest.raises(api.BadRequest, match=message):
-            api.reward_request({**doc, **bad}, 7)
+            api.reward_request({**doc, **bad}, 7, KEY)
 
 
 @pytest.mark.parametrize("doc, message", [
@@ -63,7 +66,7 @@ def test_a_reward_may_say_who_gave_it_and_which_call_it_scores():
 ])
 def test_reward_request_rejects_bad_input_with_a_clear_message(doc, message):
     with pytest.raises(api.BadRequest) as info:
-        api.reward_request(doc, 0)
+        api.reward_request(doc, 0, KEY)
     assert message in str(info.value)
 
 
@@ -77,7 +80,7 @@ _reward = st.fixed_dictionaries({}, optional={k: _json for k in ("rollout_id", "
 @given(doc=_json | _reward | st.lists(_reward, max_size=3))
 def test_reward_request_answers_any_json_with_a_request_or_bad_request(doc):
     try:
-        request, recorded = api.reward_request(doc, 1)
+        request, recorded = api.reward_request(doc, 1, KEY)
     except api.BadRequest:
         return
     assert len(request.resource_spans[0].scope_spans[0].spans) == len(recorded) > 0
