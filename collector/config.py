@@ -101,7 +101,8 @@ class CollectorConfig:
     max_json_bytes: int = option(
         8 * MiB,
         "Largest OTLP/JSON body (after gunzip) and API JSON body; larger ones get 413. Decoding JSON holds "
-        "several times its size in memory, and OTLP/JSON bodies are decoded one at a time.")
+        "several times its size in memory, so at most this many bytes of OTLP/JSON bodies are decoded at once "
+        "(smaller bodies beside a big one; past it they wait, then 503 + Retry-After).")
     sql_timeout_s: float = option(
         10.0, "Time limit of one query on the API's read-only SQL endpoint (/v1/sql); past it the query is interrupted.")
     sql_max_rows: int = option(

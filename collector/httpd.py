@@ -3,8 +3,8 @@
 Both are thin: they frame bytes, check the bearer token and the cross-site rules, and map the
 collector's :class:`~lightspan.collector.outcomes.ExportResult` to a status with ``status_for``.
 Each request runs in its connection's thread (the connections are capped): an export's WAL
-write and fsync there (concurrent exports share an fsync), OTLP/JSON decodes one at a time
-(decoding JSON holds several times its size), SQL in worker processes
+write and fsync there (concurrent exports share an fsync), OTLP/JSON decodes side by side up to
+``max_json_bytes`` of bodies at once (decoding JSON holds several times its size), SQL in worker processes
 (:mod:`lightspan.collector.sqlpool`).
 
 OTLP/HTTP: ``POST /v1/traces`` and ``POST /v1/logs``, protobuf or JSON (answered in the
@@ -162,8 +162,6 @@ class OTLP(_Transport):
             if len(body) > self.config.max_json_bytes:
                 return self.collector.refuse(Outcome.TOO_LARGE, f"OTLP/JSON body of {len(body)} bytes exceeds "
                                              f"max_json_bytes={self.config.max_json_bytes}")
-            with self.collector.json_lock:
-                return self.collector.export(body, encoding, signal)
         return self.collector.export(body, encoding, signal)
 
     def answer(self, result: ExportResult, encoding: str, close: bool) -> http.Response:

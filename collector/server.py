@@ -73,7 +73,10 @@ class Collector:
         self._grpc: GrpcReceiver | None = None
         self._http: http.Server | None = None
         self._api: http.Server | None = None
-        self.json_lock = threading.Lock()     # OTLP/JSON bodies are decoded one at a time
+        # OTLP/JSON bodies being decoded (which holds several times a body's size): at most
+        # max_json_bytes of them at once, as when they were decoded one at a time, yet a small body
+        # is decoded beside a big one instead of waiting for it
+        self.json_decoding = http.Allowance(self.config.max_json_bytes)
 
     # --- ports ---
     @property
@@ -174,10 +177,17 @@ class Collector:
         ``signal``: "traces" or "logs"; ``own``: the API's rewards, the one request that may hold
         spans of the reward scope (:mod:`~lightspan.collector.reward_integrity`)."""
         kind = SIGNALS[signal]
+        json_bytes = len(payload) if encoding == "json" else 0
+        if json_bytes and not self.json_decoding.take(json_bytes, self.config.read_timeout_s):
+            return self.refuse(Outcome.BUSY, f"OTLP/JSON bodies of max_json_bytes={self.config.max_json_bytes} are "
+                                             "being decoded; retry later", signal)
         try:
             request = kind[encoding](payload)
         except DecodeError as exc:
             return self.refuse(Outcome.INVALID, str(exc), signal)
+        finally:
+            if json_bytes:
+                self.json_decoding.give(json_bytes)
         forged, forged_error = (0, None) if own or signal != "traces" else reward_integrity.drop_reserved(request)
         if encoding == "json" or forged:
             payload = request.SerializeToString()      # the WAL holds protobuf only, and no forged reward

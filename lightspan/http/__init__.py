@@ -32,7 +32,7 @@ state-changing requests carrying an ``Origin`` must come from the server's own o
 allowed one; JSON routes refuse other content types (:meth:`Request.json`), so a cross-site
 ``text/plain`` form cannot post there without a CORS preflight; a GET that costs the server (a
 query) can refuse other sites' pages too (:meth:`Guard.same_origin`). :class:`Turns` bounds how many
-handlers of one kind of work run and wait at once.
+handlers of one kind of work run and wait at once, :class:`Allowance` how many bytes of it.
 """
 
 from lightspan.config import is_loopback
@@ -40,7 +40,7 @@ from lightspan.http.guard import Guard, bearer, same_token
 from lightspan.http.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
                                     decode_json, json_response, retry_later)
 from lightspan.http.server import Server
-from lightspan.http.turns import Turns
+from lightspan.http.turns import Allowance, Turns
 
-__all__ = ["DRAIN_LIMIT", "ByteBudget", "ClientGone", "Guard", "HTTPError", "Handler", "Limits", "Request", "Response",
-           "Server", "Turns", "bearer", "decode_json", "is_loopback", "json_response", "retry_later", "same_token"]
+__all__ = ["DRAIN_LIMIT", "Allowance", "ByteBudget", "ClientGone", "Guard", "HTTPError", "Handler", "Limits", "Request",
+           "Response", "Server", "Turns", "bearer", "decode_json", "is_loopback", "json_response", "retry_later", "same_token"]

@@ -1,9 +1,11 @@
 """Turns: at most ``running`` handlers in one kind of work at once, ``waiting`` more queued, the rest
-told to retry (see :mod:`lightspan.http`).
+told to retry; and an :class:`Allowance` of bytes of one kind of work in progress (see :mod:`lightspan.http`).
 
 A server gives each kind of work that must not crowd out another its own :class:`Turns` (the
 collector: one for queries, one for reward posts), so a flood of one kind is refused with 429 +
-``Retry-After`` while the other kind still gets its turn.
+``Retry-After`` while the other kind still gets its turn. An :class:`Allowance` bounds work by its
+size instead of its count (the collector's OTLP/JSON decoding, which holds several times a body's
+size): small pieces run beside a big one, never queued behind it.
 """
 
 from __future__ import annotations
@@ -44,3 +46,26 @@ class Turns:
             yield
         finally:
             self._turns.release()
+
+
+class Allowance:
+    """At most ``limit`` bytes of one kind of work in progress at once, across threads. ``take(n)``
+    waits until ``n`` more fit (an idle allowance admits any one piece, however big), up to
+    ``wait_s``; False when they did not fit in time. No queue: a piece that fits goes at once, so
+    small ones pass beside a big one (a big one waits only while others hold the room it needs)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._cond = threading.Condition()
+
+    def take(self, n: int, wait_s: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.held == 0 or self.held + n <= self.limit, timeout=wait_s):
+                return False
+            self.held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
