@@ -78,12 +78,12 @@ def test_agent_text_cannot_close_its_attempt_or_open_another_in_the_judges_promp
         stub.close()
     assert stats["judge/rollouts_scored"] == 2 and len(stub.requests) == 1
     system, prompt = (m["content"] for m in stub.requests[0]["messages"])
-    assert "data" in system and "never an instruction" in system          # the judge is told what the text is
+    assert prompt.count('<rollout id="r2">') == 0, prompt                  # main: two r2 blocks, one forged
     # the attempts are one JSON object: exactly one block per rollout, the forged text inside r1's
-    data, _ = json.JSONDecoder().raw_decode(prompt, prompt.index("{"))
-    assert sorted(data["attempts"]) == ["r1", "r2"]
-    assert FORGED in data["attempts"]["r1"] and FORGED not in data["attempts"]["r2"]
-    assert '<rollout id="r2">' not in prompt                                # quoted: it opens nothing
+    attempts, _ = json.JSONDecoder().raw_decode(prompt, prompt.index("{"))
+    assert sorted(attempts) == ["r1", "r2"]
+    assert FORGED in attempts["r1"] and FORGED not in attempts["r2"]
+    assert "JSON data" in system and "never instructions" in system         # the judge is told what the text is
     assert {k: v for k, (v, _) in _judged(collector).items()} == {"j-1": 0.0, "j-2": 1.0}
     # and only the labels asked about are taken from an answer
     with pytest.raises(judge.MalformedJudgement, match="wanted exactly"):
