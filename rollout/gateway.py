@@ -36,7 +36,8 @@ The policy version on the spans is the one given at resume, else ``DATA_DIR/poli
 several policies, the version of the policy the call's model name is).
 With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
 rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
-out of rotation (:mod:`lightspan.rollout.replicas`).
+out of rotation (:mod:`lightspan.rollout.replicas`); a replica that refuses or resets a connection
+is down for ``replica_down_s`` and its rollouts' calls go to the next live replica.
 
 Bounds (:mod:`lightspan.http`): connections, read time, request bytes; a call's body is read in
 full before it takes one of ``max_in_flight`` slots (past them, 429), so a client that never sends
@@ -98,7 +99,7 @@ class Gateway:
         self.tracer = trace.get_tracer("lightspan.gateway", tracer_provider=tracer_provider)
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
-        self.replicas = Upstreams(cfg.upstreams, cfg.data_dir) if cfg.upstreams else None
+        self.replicas = Upstreams(cfg.upstreams, cfg.data_dir, down_s=cfg.replica_down_s) if cfg.upstreams else None
         self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
         self._server: http.Server | None = None
@@ -215,14 +216,23 @@ class Gateway:
         return headers
 
     def _send(self, method: str, upstream: str, headers: dict, body: bytes, stream: bool = False, key: str = ""):
-        """One request to vLLM (with replicas, the one of rollout ``key``: rollout/replicas.py)."""
-        base = None
-        if self.replicas is not None:
-            base = self.replicas.pick(key)
-            if base is None:
-                raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
-            base = base.rstrip("/").removesuffix("/v1")
-        return self.client.send(method, upstream, headers, body, stream, base=base)
+        """One request to vLLM (with replicas, the one of rollout ``key``: rollout/replicas.py). A
+        replica that refuses or resets the connection is marked down and the next one is tried:
+        nothing of the call reached the caller yet, and its body is sent again as it is."""
+        if self.replicas is None:
+            return self.client.send(method, upstream, headers, body, stream)
+        order = self.replicas.order(key)
+        if not order:
+            raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
+        for n, replica in enumerate(order):
+            try:
+                return self.client.send(method, upstream, headers, body, stream,
+                                        base=replica.rstrip("/").removesuffix("/v1"))
+            except requests.ConnectionError as e:     # refused, reset, no route (not a slow answer)
+                self.replicas.down(replica, e)
+                if n + 1 == len(order):
+                    raise
+                self.admission.count("replica_failovers")
 
     def _passthrough(self, request: http.Request, upstream: str, ids: dict) -> http.Response:
         """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …);

@@ -20,6 +20,9 @@ class GatewayConfig:
             "address of NAME, a Kubernetes headless Service). A rollout's calls all go to one replica (its prefix "
             "cache), rollouts spread over them; replicas the trainer's last sync took out of rotation "
             "(DATA_DIR/replicas.json) get none.")
+    replica_down_s: float = option(
+        10.0, "With upstreams: a replica that refuses or resets a connection gets no call for this long; its "
+              "rollouts go to the next replica (their prefix cache is lost) and come back once it is up.")
     host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
@@ -62,6 +65,8 @@ class GatewayConfig:
         for name in ("max_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError("gateway", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
+        if not (math.isfinite(self.replica_down_s) and self.replica_down_s >= 0):
+            raise ConfigError("gateway", "replica_down_s", "must be a number of seconds >= 0", "pass e.g. 10")
         if not (math.isfinite(self.read_timeout_s) and self.read_timeout_s > 0):
             raise ConfigError("gateway", "read_timeout_s", "must be a positive number of seconds", "pass e.g. 30")
         if not is_loopback(self.host) and not self.admin_token and not self.allow_no_admin_token:

@@ -149,3 +149,85 @@ def test_responses_and_messages_calls_stay_on_their_rollouts_replica_too(tmp_pat
 def test_gateway_config_rejects_a_non_http_replica():
     with pytest.raises(ConfigError, match="upstreams"):
         GatewayConfig(upstreams=("vllm:8000",))
+
+
+def _refusing_url() -> str:
+    """A loopback port with nothing listening: every connection is refused."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class _Hangup:
+    """A replica that accepts each connection and closes it before answering (a crashed vLLM)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.accepted += 1
+                conn.close()
+        threading.Thread(target=serve, daemon=True).start()
+
+
+def test_upstreams_skip_a_replica_marked_down_until_its_time_is_up(tmp_path):
+    now = [0.0]
+    upstreams = Upstreams(tuple(REPLICAS), str(tmp_path), down_s=10, clock=lambda: now[0])
+    before = {k: upstreams.order(k) for k in KEYS[:400]}
+    assert all(order[0] == rendezvous(k, REPLICAS) and sorted(order) == sorted(REPLICAS)
+               for k, order in before.items())
+    upstreams.down(REPLICAS[1], "connection refused")
+    after = {k: upstreams.order(k) for k in KEYS[:400]}
+    assert all(REPLICAS[1] not in order for order in after.values())
+    moved = [k for k in after if after[k][0] != before[k][0]]
+    assert moved and all(before[k][0] == REPLICAS[1] and after[k][0] == before[k][1] for k in moved)
+    now[0] += 11                                               # up again: its rollouts come back
+    assert {k: upstreams.order(k) for k in KEYS[:400]} == before
+    for replica in REPLICAS:
+        upstreams.down(replica)
+    assert all(upstreams.order(k) == before[k][:1] for k in KEYS[:400])   # none live: its own, and fail there
+
+
+@pytest.mark.parametrize("dead", ["refused", "hangup"])
+def test_a_dead_replica_s_rollouts_fail_over_to_a_live_one(tmp_path, dead):
+    """A replica that refused connections kept its rollouts: 10 of 20 got 502. Now each of its calls
+    goes to the live replica; when every replica is down, the call is 502 as before."""
+    live = _Echo()
+    down = _refusing_url() if dead == "refused" else _Hangup()
+    down_url = down if isinstance(down, str) else down.url
+    gw = Gateway(GatewayConfig(upstreams=(live.url, down_url), port=0, data_dir=str(tmp_path)), TracerProvider())
+    url = gw.start()
+    owners = {f"r{i}": rendezvous(f"r{i}", [live.url, down_url]) for i in range(20)}
+    assert set(owners.values()) == {live.url, down_url}          # some rollouts are the dead one's
+    try:
+        for turn in range(2):
+            for rollout in owners:
+                response = requests.post(f"{url}/v1/chat/completions", timeout=30,
+                                         headers={"X-Lightspan-Rollout-Id": rollout},
+                                         json={"model": "policy", "messages": [{"role": "user", "content": str(turn)}]})
+                assert response.status_code == 200, (rollout, response.text)
+        assert len(live.calls) == 40
+        assert gw.status()["replica_failovers"] >= 1
+        if dead == "hangup":
+            assert down.accepted == 1                          # tried once, then down: no call after it
+        # every replica down: 502, as with one upstream
+        live.server.shutdown()
+        live.server.server_close()
+        failed = requests.post(f"{url}/v1/chat/completions", timeout=30, headers={"X-Lightspan-Rollout-Id": "r0"},
+                               json={"model": "policy", "messages": [{"role": "user", "content": "x"}]})
+        assert failed.status_code == 502 and "upstream unreachable" in failed.json()["error"]["message"]
+    finally:
+        gw.stop()
+        if not isinstance(down, str):
+            down.sock.close()
