@@ -44,6 +44,11 @@ chat completions and Responses, anthropic Messages), streamed and not.
    not in the overhead: its JSON hook passing a response through, and its span processor's
    ``on_start`` per span.
 
+7. With ``--spool``, the span spool that ``lightspan rollout`` turns on (tracing/spool.py: every
+   span written to a file as it ends, so that a process that dies loses nothing): per protocol and
+   mode, the captured client's calls with the spool on (``with``) against the same client's calls
+   with it off (``without``, today's path), alternating; results ``spool_chat``, ``spool_stream``, …
+
 Prints a summary and one JSON line (the numbers recorded in bench/README.md, "Capture overhead"),
 with the load average (1 min) before and after.
 """
@@ -165,9 +170,11 @@ def _clients(url: str) -> dict:
     return {"chat": openai_client, "responses": openai_client, "messages": anthropic_client}
 
 
-def _ab(clients: dict, call, calls: int, provider, exporter, warmup: int = 20) -> dict:
+def _ab(clients: dict, call, calls: int, provider, exporter, warmup: int = 20, switch=None) -> dict:
     """Medians of the calling thread's CPU time and of the wall time per call, ``without`` and
-    ``with`` lightspan, calls alternating (ABBA…); checks that every ``with`` call was captured."""
+    ``with`` lightspan, calls alternating (ABBA…); checks that every ``with`` call was captured.
+    ``switch(name)``, when given, runs before each call (the spool arm: both arms are the captured
+    client, the spool on for ``with`` only)."""
     for client in clients.values():  # warm-up: connections, caches
         for _ in range(warmup):
             call(client)
@@ -175,12 +182,15 @@ def _ab(clients: dict, call, calls: int, provider, exporter, warmup: int = 20) -
     captured0, cpu, wall = exporter.captured, {k: [] for k in clients}, {k: [] for k in clients}
     for i in range(calls):
         for name in (("without", "with") if i % 2 else ("with", "without")):
+            if switch is not None:
+                switch(name)
             c0, t0 = time.thread_time(), time.perf_counter()
             call(clients[name])
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.thread_time() - c0)
     provider.force_flush()
-    assert exporter.captured - captured0 == calls, "not every call of the captured client was captured"
+    expected = calls * (2 if clients["with"] is clients["without"] else 1)
+    assert exporter.captured - captured0 == expected, "not every call of the captured client was captured"
     r = {k: {"cpu_ms": statistics.median(cpu[k]) * 1e3, "wall_ms": statistics.median(wall[k]) * 1e3} for k in clients}
     r["overhead_cpu_ms"] = r["with"]["cpu_ms"] - r["without"]["cpu_ms"]
     r["overhead_wall_ms"] = r["with"]["wall_ms"] - r["without"]["wall_ms"]
@@ -227,6 +237,24 @@ def measure(args) -> dict:
                     {"without": baselines["stub"][api], "with": captured[api]},
                     lambda c, stream=stream, api=api: _call(c, prompt, args.completion_tokens, stream, api=api),
                     args.calls, provider, exporter)
+        if args.spool:   # today's path (captured) against the same calls with the span spool on
+            from lightspan.tracing.spool import Spool
+
+            spool = Spool(os.path.join(args.spool_dir or os.getcwd(), f".capture-bench-{os.getpid()}.spool"),
+                          provider.resource)
+            provider.add_span_processor(spool)
+            try:
+                for api in apis:
+                    for stream in (False, True):
+                        results["spool_" + _mode(api, stream)] = _ab(
+                            {"without": captured[api], "with": captured[api]},
+                            lambda c, stream=stream, api=api: _call(c, prompt, args.completion_tokens, stream,
+                                                                    api=api),
+                            args.calls, provider, exporter, switch=lambda name: setattr(spool, "active", name == "with"))
+            finally:
+                spool.active = False
+                spool.shutdown()
+                os.unlink(spool.path)
     finally:
         stub.kill()
         stub.wait()
@@ -383,6 +411,10 @@ def main() -> None:
                    help="the stub sends token ids to the baseline client too (as if it had asked): the overhead "
                         "left is lightspan's code and the logprobs it asks for, not the ids' bytes")
     p.add_argument("--apis", default=",".join(APIS), help="protocols to time, comma-separated: " + ", ".join(APIS))
+    p.add_argument("--spool", action="store_true",
+                   help="also time the span spool (tracing/spool.py, on in lightspan rollout): the captured client's "
+                        "calls with the spool on against the same calls without it (today's path), alternating")
+    p.add_argument("--spool-dir", default="", help="where the spool file goes (default: the working directory)")
     args = p.parse_args()
     results = {"load_before": os.getloadavg()[0]}
     results.update(measure(args))

@@ -251,8 +251,8 @@ def _run_agent(request: dict, spec: dict) -> int:
     _load._load_distro().configure()
     _load._load_configurators()
     instrumentor = sys.modules.get("lightspan.tracing.instrumentor")
-    if instrumentor is not None:  # it watches LLM spans nest through a processor on the SDK provider
-        instrumentor.attach()
+    if instrumentor is not None:  # its processors on this rollout's SDK provider: LLM spans' nesting, and
+        instrumentor.attach()     # the span spool of this rollout (LIGHTSPAN_SPOOL, read from its environment)
     report = sys.modules.get("lightspan.tracing.report")
     if report is not None:  # this rollout's capture counts, written where its LIGHTSPAN_CAPTURE_REPORT says
         report.restart()
