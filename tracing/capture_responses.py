@@ -27,7 +27,8 @@ from __future__ import annotations
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import CHAT, Capture, _get
 from lightspan.tracing.capture import with_capture as chat_with_capture
-from lightspan.tracing.responses_convert import ResponseStream, Unsupported, to_chat, to_response
+from lightspan.tracing.responses_convert import Unsupported, to_chat, to_response
+from lightspan.tracing.responses_stream import ResponseStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

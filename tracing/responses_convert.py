@@ -21,8 +21,8 @@ instrumentor and a gateway alike:
   than those above, a partial last message (vLLM continues it), and the fields that would show the
   caller ids or logprobs (``enable_response_messages``, ``include``);
 - :func:`to_response`: a chat completion as the Response object (``ResponsesResponse.from_request``);
-- :class:`ResponseStream`: chat completion chunks as the Responses events, by vLLM's simple
-  streaming state machine (one output item at a time: reasoning, message text, each tool call).
+- :class:`~lightspan.tracing.responses_stream.ResponseStream`: chat completion chunks as the
+  Responses events, by vLLM's simple streaming state machine (its own module).
 
 Where the answer echoes what vLLM resolved rather than what was asked, it says what was asked:
 ``temperature`` / ``top_p`` left unset echo vLLM's defaults (1.0; a server whose model has a
@@ -56,7 +56,7 @@ class Unsupported(ValueError):
     """A request :func:`to_chat` cannot convert as vLLM does; the message says what."""
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:16]}"
 
 
@@ -203,11 +203,11 @@ def to_chat(body: dict) -> dict:
     return chat
 
 
-def _echo(body: dict, model, created, status: str, output: list, usage, response_id: str | None = None) -> dict:
+def envelope(body: dict, model, created, status: str, output: list, usage, response_id: str | None = None) -> dict:
     """The Response object's envelope, as ``ResponsesResponse.from_request`` fills it (module docstring)."""
     echoed = {k: body.get(k, v) if body.get(k) is not None else v for k, v in _ECHOED_DEFAULTS.items()}
     tools = body.get("tools") or []
-    return {"id": response_id or _new_id("resp"), "created_at": created if created is not None else int(time.time()),
+    return {"id": response_id or new_id("resp"), "created_at": created if created is not None else int(time.time()),
            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
            "instructions": echoed["instructions"], "metadata": echoed["metadata"], "model": model,
            "object": "response", "output": output,
@@ -239,23 +239,23 @@ def usage(chat_usage) -> dict | None:
             "total_tokens": prompt + completion}
 
 
-def _message_item(text: str, item_id: str | None = None) -> dict:
-    return {"id": item_id or _new_id("msg"), "content": [_text_part(text)], "role": "assistant",
+def message_item(text: str, item_id: str | None = None) -> dict:
+    return {"id": item_id or new_id("msg"), "content": [text_part(text)], "role": "assistant",
             "status": "completed", "type": "message", "phase": None}
 
 
-def _text_part(text: str, logprobs=None) -> dict:
+def text_part(text: str, logprobs=None) -> dict:
     return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
 
 
-def _reasoning_item(text: str, item_id: str | None = None, status=None) -> dict:
-    return {"id": item_id or _new_id("rs"), "summary": [], "type": "reasoning",
+def reasoning_item(text: str, item_id: str | None = None, status=None) -> dict:
+    return {"id": item_id or new_id("rs"), "summary": [], "type": "reasoning",
             "content": [{"text": text, "type": "reasoning_text"}], "encrypted_content": None, "status": status}
 
 
-def _call_item(call_id, name, arguments: str, item_id: str | None = None, status="completed") -> dict:
-    return {"arguments": arguments, "call_id": call_id or _new_id("call"), "name": name, "type": "function_call",
-            "id": item_id or _new_id("fc"), "async": None, "caller": None, "namespace": None, "status": status}
+def call_item(call_id, name, arguments: str, item_id: str | None = None, status="completed") -> dict:
+    return {"arguments": arguments, "call_id": call_id or new_id("call"), "name": name, "type": "function_call",
+            "id": item_id or new_id("fc"), "async": None, "caller": None, "namespace": None, "status": status}
 
 
 def status_of(finish_reason) -> str:
@@ -268,150 +268,11 @@ def to_response(chat: dict, body: dict) -> dict:
     message = choice.get("message") or {}
     output = []
     if message.get("reasoning"):
-        output.append(_reasoning_item(message["reasoning"]))
+        output.append(reasoning_item(message["reasoning"]))
     if message.get("content"):
-        output.append(_message_item(message["content"]))
+        output.append(message_item(message["content"]))
     for call in message.get("tool_calls") or ():
         fn = call.get("function") or {}
-        output.append(_call_item(call.get("id"), fn.get("name"), fn.get("arguments") or ""))
-    return _echo(body, chat.get("model"), chat.get("created"), status_of(choice.get("finish_reason")), output,
+        output.append(call_item(call.get("id"), fn.get("name"), fn.get("arguments") or ""))
+    return envelope(body, chat.get("model"), chat.get("created"), status_of(choice.get("finish_reason")), output,
                  usage(chat.get("usage")))
-
-
-class ResponseStream:
-    """Chat completion chunks in, Responses events out (event dicts, ``sequence_number`` in order), as
-    vLLM's ``SimpleStreamingEventProcessor`` writes them; :attr:`response` is the final Response."""
-
-    def __init__(self, body: dict):
-        self.body = body
-        self.sequence = 0
-        self.started = False
-        self.state: str | None = None       # the open item: "reasoning", "content", "tool_call"
-        self.item_id = ""
-        self.text = ""                      # the open item's text (a tool call's arguments)
-        self.call: tuple | None = None      # the open tool call's (index, call id, name)
-        self.output: list[dict] = []
-        self.model = self.created = self.finish_reason = self.usage = None
-        self.id = _new_id("resp")           # one id from response.created to response.completed
-        self.response: dict | None = None
-
-    def _event(self, out: list, event: dict) -> None:
-        event["sequence_number"] = self.sequence
-        self.sequence += 1
-        out.append(event)
-
-    def _envelope(self, status: str, output: list, usage_) -> dict:
-        return _echo(self.body, self.model, self.created, status, output, usage_, self.id)
-
-    def _close(self, out: list) -> None:
-        index, item_id, text = len(self.output), self.item_id, self.text
-        if self.state == "content":
-            part = _text_part(text)
-            item = {**_message_item(text, item_id), "content": [part] if text else []}
-            self._event(out, {"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": index,
-                              "text": text, "type": "response.output_text.done"})
-            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index, "part": part,
-                              "type": "response.content_part.done"})
-        elif self.state == "reasoning":
-            item = _reasoning_item(text, item_id, "completed")
-            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index, "text": text,
-                              "type": "response.reasoning_text.done"})
-            self._event(out, {"content_index": 0, "item_id": item_id, "output_index": index,
-                              "part": {"text": text, "type": "reasoning_text"}, "type": "response.content_part.done"})
-        elif self.state == "tool_call":
-            _, call_id, name = self.call
-            item = _call_item(call_id, name, text, item_id)
-            self._event(out, {"arguments": text, "item_id": item_id, "name": name, "output_index": index,
-                              "type": "response.function_call_arguments.done"})
-        else:
-            return
-        self._event(out, {"item": item, "output_index": index, "type": "response.output_item.done"})
-        self.output.append(item)
-        self.state, self.text, self.call = None, "", None
-
-    def _open(self, state: str, out: list, call=None) -> None:
-        self._close(out)
-        index = len(self.output)
-        self.state, self.text = state, ""
-        if state == "content":
-            self.item_id = _new_id("msg")
-            item = {"id": self.item_id, "content": [], "role": "assistant", "status": "in_progress",
-                    "type": "message", "phase": None}
-            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
-            self._event(out, {"content_index": 0, "item_id": self.item_id, "output_index": index,
-                              "part": {**_text_part(""), "logprobs": []}, "type": "response.content_part.added"})
-        elif state == "reasoning":
-            self.item_id = _new_id("rs")
-            item = {"id": self.item_id, "summary": [], "type": "reasoning", "content": None,
-                    "encrypted_content": None, "status": "in_progress"}
-            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
-            self._event(out, {"content_index": 0, "item_id": self.item_id, "output_index": index,
-                              "part": {"text": "", "type": "reasoning_text"}, "type": "response.content_part.added"})
-        else:
-            self.item_id = _new_id("fc")
-            self.call = call
-            item = _call_item(call[1], call[2], "", self.item_id, "in_progress")
-            self._event(out, {"item": item, "output_index": index, "type": "response.output_item.added"})
-
-    def _start(self, chunk: dict, out: list) -> None:
-        self.started = True
-        self.model, self.created = chunk.get("model"), chunk.get("created")
-        initial = self._envelope("in_progress", [], None)
-        self._event(out, {"response": initial, "type": "response.created"})
-        self._event(out, {"response": initial, "type": "response.in_progress"})
-
-    def text_delta(self, text: str) -> list[dict]:
-        """The events of a chunk that is only ``text`` while a message item is open (what :meth:`feed`
-        gives for it, without reading the chunk again)."""
-        out: list = []
-        self.text += text
-        self._event(out, {"content_index": 0, "delta": text, "item_id": self.item_id, "logprobs": [],
-                          "output_index": len(self.output), "type": "response.output_text.delta"})
-        return out
-
-    def feed(self, chunk: dict) -> list[dict]:
-        """The events of one chat completion chunk."""
-        out: list = []
-        if not self.started:
-            self._start(chunk, out)
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning")
-            if reasoning is not None:
-                if self.state != "reasoning":
-                    self._open("reasoning", out)
-                self.text += reasoning
-                self._event(out, {"content_index": 0, "delta": reasoning, "item_id": self.item_id,
-                                  "output_index": len(self.output), "type": "response.reasoning_text.delta"})
-            if delta.get("content"):
-                if self.state != "content":
-                    self._open("content", out)
-                out += self.text_delta(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                self._tool_call(call, out)
-        return out
-
-    def _tool_call(self, call: dict, out: list) -> None:
-        fn = call.get("function")
-        if fn is None:
-            return
-        index = call.get("index")
-        if self.state != "tool_call" or (index is not None and self.call[0] is not None and index != self.call[0]):
-            self._open("tool_call", out, (index, call.get("id"), fn.get("name")))
-        if fn.get("arguments"):
-            self.text += fn["arguments"]
-            self._event(out, {"delta": fn["arguments"], "item_id": self.item_id, "output_index": len(self.output),
-                              "type": "response.function_call_arguments.delta"})
-
-    def done(self) -> list[dict]:
-        """The events at the chat stream's ``[DONE]``: the open item closed, then ``response.completed``."""
-        out: list = []
-        self._close(out)
-        self.response = self._envelope(status_of(self.finish_reason), list(self.output), usage(self.usage))
-        self._event(out, {"response": self.response, "type": "response.completed"})
-        return out
-
