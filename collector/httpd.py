@@ -36,8 +36,9 @@ from urllib.parse import parse_qs
 from google.protobuf import json_format
 
 from lightspan import http
-from lightspan.collector import api, routes
+from lightspan.collector import api, routes, sqlpool
 from lightspan.collector.outcomes import BY_HTTP_STATUS, CollectorError, ExportResult, Outcome
+from lightspan.config import redact
 
 if TYPE_CHECKING:
     from lightspan.collector.server import Collector
@@ -290,6 +291,10 @@ class API(_Transport):
                 result = self.collector.rewards.post(request, recorded, export)
         except api.Conflict as exc:
             return http.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
+        except OSError as exc:   # the re-post rule reads the store: a bucket that does not answer
+            log.warning("a reward post could not read the store: %s", exc)
+            return http.json_response(503, {"error": redact(f"the store cannot be reached: {exc}; retry later")},
+                                      {"Retry-After": str(self.config.retry_after_s)})
         if result is not None and (result.outcome is not Outcome.OK or result.rejected):
             code = result.status.http_status if result.outcome is not Outcome.OK else 400
             return http.json_response(code, {"error": result.message}, self.retry_headers(result))
@@ -304,5 +309,8 @@ class API(_Transport):
         except api.BadRequest as exc:
             self.collector.metrics.add("sql_errors_total")
             return http.json_response(400, {"error": str(exc)})
+        except sqlpool.Unreachable as exc:     # not the query's fault: retry once the bucket answers
+            self.collector.metrics.add("sql_errors_total")
+            return http.json_response(503, {"error": str(exc)}, {"Retry-After": str(self.config.retry_after_s)})
         self.collector.metrics.add("sql_queries_total")
         return http.Response(200, JSON, json.dumps(answer, allow_nan=False).encode())

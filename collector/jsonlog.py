@@ -25,6 +25,8 @@ import threading
 import time
 from datetime import datetime, timezone
 
+from lightspan.config import redact_logs
+
 FORMATS = ("json", "text")
 # attributes every LogRecord has: anything else on a record came from ``extra=``
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
@@ -78,6 +80,7 @@ def configure(log_format: str, level: int | str = logging.INFO, stream=None) -> 
         root.addHandler(logging.StreamHandler(stream or sys.stderr))
     for handler in root.handlers:
         handler.setFormatter(formatter)
+    redact_logs(root)                   # no line shows a URL's credentials (an S3 endpoint, an upstream)
     root.setLevel(level)
 
 

@@ -20,6 +20,7 @@ import threading
 
 from lightspan.collector import api
 from lightspan.collector.config import CollectorConfig
+from lightspan.config import redact
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,18 @@ def _serve(conn, memory_limit: int) -> None:
             reply = ("ok", api.run_sql(*job[:2], **job[2]))
         except api.BadRequest as exc:
             reply = ("bad", str(exc))
+        except OSError as exc:           # a bucket that does not answer (the views list its objects)
+            reply = ("unreachable", redact(f"the store cannot be reached: {exc}; retry once it answers"))
         except MemoryError:
             reply = ("bad", f"the query needs more than sql_memory_limit_bytes={memory_limit}")
         try:
             conn.send(reply)
         except MemoryError:
             conn.send(("bad", f"the answer needs more than sql_memory_limit_bytes={memory_limit}"))
+
+
+class Unreachable(Exception):
+    """The store (a bucket, its endpoint) did not answer: the query may succeed later (503)."""
 
 
 class _Worker:
@@ -102,7 +109,8 @@ class QueryPool:
             self._count -= 1
 
     def run(self, sql) -> dict:
-        """``api.run_sql`` in a worker; raises :class:`api.BadRequest` for anything that went wrong."""
+        """``api.run_sql`` in a worker; raises :class:`Unreachable` when the store did not answer and
+        :class:`api.BadRequest` for anything else that went wrong."""
         if self._closed:
             raise api.BadRequest("the collector is stopping")
         cfg = self.config
@@ -127,6 +135,8 @@ class QueryPool:
         self._idle.put(worker)
         if kind == "bad":
             raise api.BadRequest(value)
+        if kind == "unreachable":
+            raise Unreachable(value)
         return value
 
     def close(self) -> None:

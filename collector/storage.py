@@ -24,6 +24,7 @@ The WAL is never in the bucket: a flush's segments are deleted only after its ob
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ import pyarrow.fs as pafs
 from lightspan import store
 from lightspan.collector import compact as compaction
 from lightspan.collector import dedup
+from lightspan.config import ConfigError
 from lightspan.store import objects
 from lightspan.store.files import EXPIRED_MARKER, live_names, remote_entries
 
@@ -47,6 +49,29 @@ log = logging.getLogger(__name__)
 
 CLOCK_SKEW_S = 300.0
 """An object's time is the bucket's clock, not ours: "written since T" reads back this much more."""
+
+
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
+
+
+def writable(directory: Path, field: str) -> None:
+    """Make ``directory`` if need be and write (then remove) a file in it: at start-up, before
+    anything is written, a directory the collector cannot write to is one ConfigError naming it and
+    ``collector.<field>``, not a traceback from the first write. Other errors (a full disk) pass:
+    they are answered where they happen (503)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        if exc.errno not in _NOT_WRITABLE:
+            raise
+        env = f"LIGHTSPAN_COLLECTOR_{field.upper()}"
+        raise ConfigError("collector", field, f"the collector cannot write to {directory} ({exc.strerror or exc})",
+                          f"make {directory} writable for the collector's user (chown/chmod, or mount it read-write), "
+                          f"or set collector.{field} ({env}, --{field.replace('_', '-')}) to a writable directory"
+                          ) from None
 
 
 class Directory:
@@ -59,7 +84,8 @@ class Directory:
         return str(self.root)
 
     def check(self) -> None:
-        """Nothing to reach: the directory is made when first written."""
+        """Nothing to reach: the directory must be writable (:func:`writable`)."""
+        writable(self.root, "data_dir")
 
     def write(self, table: str, part: pa.Table, day: str) -> None:
         store.write_table(self.root, table, part, partition=f"date={day}")

@@ -29,7 +29,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 
 from lightspan import store
 from lightspan.collector import dedup
-from lightspan.collector.storage import Bucket, Directory
+from lightspan.collector.storage import Bucket, Directory, writable
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import count_spans, flatten
@@ -89,9 +89,10 @@ class Writer:
     def open(self) -> None:
         """Open the WAL, remember the keys written lately, replay what a previous run left."""
         try:
-            self.storage.check()
+            self.storage.check()     # a data directory that is not writable: a ConfigError naming it
         except OSError as exc:       # nothing accepted yet: the WAL stays as it is for the next start
             raise CollectorError(f"cannot reach the store {self.storage.describe()}: {exc}") from None
+        writable(self.wal_dir, "wal_dir" if self.config.wal_dir else "data_dir")
         self.wal = WAL(self.wal_dir)
         self._seed_recent()
         self._replay()

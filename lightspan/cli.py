@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightspan.config import ConfigError, add_arguments, cli_values, resolve
+from lightspan.config import ConfigError, add_arguments, cli_values, redact_logs, resolve
 
 
 def _load(path: str):
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_logs()                       # no log line shows a URL's credentials
     job = JOBS[args.job]
     try:
         if job.config is None:

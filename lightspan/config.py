@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import ipaddress
 import json
+import logging
 import os
 import re
 import tomllib
@@ -21,12 +22,45 @@ from pathlib import Path
 from typing import Any
 
 
+# the credentials of a URL (scheme://user:password@host): never printed. A secret may hold "/" or
+# "+" unencoded (AWS keys do), so everything up to the last "@" before a space goes (a path or query
+# with an "@" is hidden too: better too much than a key)
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s@'\"<>]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``
+    (``http://user:secret@minio:9000`` → ``http://***@minio:9000``): for every message, log line
+    or error body that may show a URL (an endpoint, an upstream) that came from configuration."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+class Redacting(logging.Filter):
+    """A log handler's filter that passes every record's message through :func:`redact` (the CLI's
+    and the collector's handlers carry it), so no log line shows a URL's credentials."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def redact_logs(logger: logging.Logger | None = None) -> None:
+    """Add :class:`Redacting` to every handler of ``logger`` (the root logger) that lacks it."""
+    for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(f, Redacting) for f in handler.filters):
+            handler.addFilter(Redacting())
+
+
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and how to fix it."""
+    """A configuration value is wrong; the message names the field and how to fix it (URLs in it
+    without their credentials: :func:`redact`)."""
 
     def __init__(self, section: str, name: str, problem: str, fix: str):
         self.field = f"{section}.{name}"
-        super().__init__(f"config field {self.field}: {problem}; fix: {fix}")
+        super().__init__(redact(f"config field {self.field}: {problem}; fix: {fix}"))
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")

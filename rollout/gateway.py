@@ -62,7 +62,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lightspan import http
-from lightspan.config import ConfigError
+from lightspan.config import ConfigError, redact
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.gateway_config import GatewayConfig
@@ -116,7 +116,7 @@ class Gateway:
                              max_inflight_bytes=max(256 << 20, 4 * self.cfg.max_body_bytes))
         self._server = http.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits, name="lightspan-gateway")
         self._server.start()
-        log.info("gateway on %s -> %s", self.url, self.upstream)
+        log.info("gateway on %s -> %s", self.url, redact(", ".join(self.cfg.upstreams) or self.upstream))
         return self.url
 
     def stop(self) -> None:
@@ -223,7 +223,7 @@ class Gateway:
             return self.client.send(method, upstream, headers, body, stream)
         order = self.replicas.order(key)
         if not order:
-            raise requests.ConnectionError(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}")
+            raise requests.ConnectionError(redact(f"no vLLM replica behind {', '.join(self.cfg.upstreams)}"))
         for n, replica in enumerate(order):
             try:
                 return self.client.send(method, upstream, headers, body, stream,

@@ -20,7 +20,7 @@ Objects are immutable and each is written in one request (a PUT, or a multipart 
 ones that becomes visible whole at its completion), so a reader never sees half a file; there is
 no rename, which is why compaction and retention order their writes as lightspan.collector.compact
 explains. A location that is remote is never replaced by a local directory: every failure to
-reach the bucket is an ``OSError`` naming it.
+reach the bucket is an ``OSError`` naming it and the endpoint (without the URL's credentials).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from lightspan.config import redact
 from lightspan.store.layout import REMOTE_SCHEME, is_remote
 
 __all__ = ["REMOTE_SCHEME", "is_remote", "Entry", "endpoint", "filesystem", "path_of", "url_of", "join", "list_files",
@@ -109,9 +110,21 @@ def join(url: str, *parts: str) -> str:
     return "/".join([str(url).rstrip("/"), *(p.strip("/") for p in parts if p)])
 
 
+def _where() -> str:
+    """The endpoint, for a message: without its credentials (lightspan.config.redact), and saying
+    that credentials in its URL are not read."""
+    url = endpoint()
+    if not url:
+        return "endpoint AWS; credentials from the AWS environment or ~/.aws"
+    shown = redact(url)
+    if shown != url:
+        return (f"endpoint {shown}: credentials in the endpoint URL are not read, set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials) and drop them from the URL")
+    return f"endpoint {shown}; credentials from the AWS environment or ~/.aws"
+
+
 def _named(url: str, exc: OSError) -> OSError:
-    return type(exc)(f"{url}: {exc} (endpoint {endpoint() or 'AWS'}; credentials from the AWS environment "
-                     f"or ~/.aws)")
+    return type(exc)(redact(f"{url}: {exc} ({_where()})"))
 
 
 def list_files(url: str) -> list[Entry]:
@@ -175,7 +188,7 @@ def check(url: str) -> None:
     except OSError as exc:
         raise _named(url, exc) from exc
     if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{url}: bucket {bucket!r} does not exist at {endpoint() or 'AWS'}: create it")
+        raise FileNotFoundError(redact(f"{url}: bucket {bucket!r} does not exist at {endpoint() or 'AWS'}: create it"))
 
 
 def register(con) -> None:

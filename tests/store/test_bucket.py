@@ -240,3 +240,63 @@ def test_credentials_and_endpoint_come_from_the_aws_config_files(tmp_path):
         assert bad.returncode != 0 and "SIGNATURE_DOES_NOT_MATCH" in bad.stderr and "s3://creds/p" in bad.stderr
     finally:
         server.stop()
+
+
+def test_an_endpoint_url_s_credentials_are_never_printed(tmp_path):
+    """``AWS_ENDPOINT_URL=http://user:secret@host`` was echoed whole in the collector's start-up
+    error; now every message that shows a URL shows ``http://***@host`` (lightspan.config.redact),
+    and says that credentials in the URL are not read."""
+    import subprocess
+    import sys
+
+    with socket_closed() as endpoint:
+        leaky = endpoint.replace("http://", "http://AKIAEXAMPLE:s3cr3t/k+ey@")
+        env = {**os.environ, "AWS_ENDPOINT_URL": leaky, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+        out = subprocess.run([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", "s3://no-bucket/p",
+                              "--wal-dir", str(tmp_path / "wal"), "--grpc-port", "0", "--http-port", "0",
+                              "--api-port", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr[-3000:]                  # one line, no traceback
+    assert "s3cr3t" not in out.stderr and "AKIAEXAMPLE" not in out.stderr, lines[0]
+    host = endpoint.removeprefix("http://")
+    assert f"http://***@{host}" in lines[0] and "s3://no-bucket/p" in lines[0], lines[0]
+    assert "AWS_SECRET_ACCESS_KEY" in lines[0]                   # and how to give them instead
+    from lightspan.config import ConfigError
+    from lightspan.rollout.gateway_config import GatewayConfig
+    with pytest.raises(ConfigError) as err:                      # a config error shows none either
+        GatewayConfig(upstream="ftp://admin:hunter2@vllm:8000")
+    assert "hunter2" not in str(err.value) and "ftp://***@vllm:8000" in str(err.value)
+
+
+def test_with_the_bucket_down_sql_and_rewards_say_so(tmp_path):
+    """With the bucket gone, ``/v1/sql`` answered "the query's worker died: it needed more than
+    sql_memory_limit_bytes" (the worker died of the listing's OSError) and a reward post 500: both
+    are 503 + Retry-After naming the store and its endpoint."""
+    import requests
+
+    from lightspan.collector.server import Collector
+    from tests.collector.helpers import config
+    from tests.s3server import S3Server, aws_environment
+
+    server = S3Server(tmp_path / "s3.log").start()
+    try:
+        with aws_environment(server.env):
+            remote = f"{server.create_bucket('bucket-down')}/p"
+            collector = Collector(config(remote, wal_dir=str(tmp_path / "wal"), collector_id="c1")).start()
+            try:
+                api = f"http://127.0.0.1:{collector.api_port}"
+                ok = requests.post(f"{api}/v1/sql", json={"sql": "SELECT count(*) FROM spans"}, timeout=60)
+                assert ok.status_code == 200 and ok.json()["rows"] == [[0]], ok.text[:300]
+                server.stop()
+                down = requests.post(f"{api}/v1/sql", json={"sql": "SELECT count(*) FROM spans"}, timeout=60)
+                assert down.status_code == 503 and down.headers.get("Retry-After"), down.text[:500]
+                message = down.json()["error"]
+                assert "cannot be reached" in message and "s3://bucket-down/p" in message, message
+                assert server.endpoint in message and "memory" not in message, message
+                reward = requests.post(f"{api}/v1/rewards", json={"rollout_id": "r", "value": 1.0}, timeout=60)
+                assert reward.status_code == 503 and "cannot be reached" in reward.json()["error"], reward.text[:500]
+            finally:
+                collector.stop()
+    finally:
+        server.stop()
