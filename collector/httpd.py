@@ -224,7 +224,9 @@ class API(_Transport):
                 with self.queries.take():
                     return added.handler(path, request.query, self.collector)
             return added.handler(path, request.query, self.collector)
-        rollout_id = api.event_rollout(path)
+        # the id is matched in the path as sent, decoded once (request.path is decoded already:
+        # a%252Fb would become a/b, and a%2Fb a path of its own)
+        rollout_id = api.event_rollout(request.raw_path.decode("latin-1"))
         if rollout_id is not None:          # Agent Lightning's AGL_EVENT_URL
             if method != "POST":
                 raise http.HTTPError(405, f"use POST on {path}", {"Allow": "POST"})

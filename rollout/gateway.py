@@ -160,7 +160,7 @@ class Gateway:
         if method not in endpoint.methods:
             raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
-        ids = call_attributes(path_attrs, request.headers)
+        ids = call_attributes(path_attrs, request.header_list)   # a repeated x-lightspan-* header: its first value
         if endpoint.api is None:
             return self._passthrough(request, upstream, ids)
         return self._generate(request, endpoint.api, upstream, ids)

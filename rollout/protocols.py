@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -87,13 +88,16 @@ def api_of(raw_path: str) -> str | None:
     return urls.MESSAGES if upstream == "/v1/messages" or upstream.startswith("/v1/messages/") else None
 
 
-def call_attributes(path_attrs: dict[str, str], headers) -> dict[str, str]:
+def call_attributes(path_attrs: dict[str, str], headers: Iterable[tuple[str, str]]) -> dict[str, str]:
     """Rollout, task and split of a call (headers first, then the URL prefix), and the agent that
-    names itself in ``x-lightspan-agent`` (:mod:`lightspan.rollout.headers`)."""
+    names itself in ``x-lightspan-agent`` (:mod:`lightspan.rollout.headers`). ``headers``: (name,
+    value) pairs as they came, repeats kept: of a header sent twice the first value wins, as the
+    docs say (a mapping would hold the values joined, ``"first, second"``)."""
+    pairs = [(name.lower(), value) for name, value in headers]
     attrs = dict(path_attrs)
     for header, key in _HEADER_KEYS.items():
-        value = headers.get(header)
+        value = next((v for name, v in pairs if name == header and v), None)
         if value:
             attrs[key] = value
-    attrs.update(header_attributes(headers))
+    attrs.update(header_attributes(pairs))
     return attrs

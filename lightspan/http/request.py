@@ -103,8 +103,10 @@ class Request:
         self.path: str = unquote(target.path)
         self.query: str = target.query
         self.headers: dict[str, str] = {}
-        for name, value in handler.headers.items():   # a repeated header: the values joined, as HTTP allows
-            key = name.lower()
+        # every header as it came, repeats kept (lower-case names): where the first of a repeated
+        # header wins rather than the values joined (the gateway's x-lightspan-* headers)
+        self.header_list: list[tuple[str, str]] = [(name.lower(), value) for name, value in handler.headers.items()]
+        for key, value in self.header_list:   # a repeated header: the values joined, as HTTP allows
             self.headers[key] = f"{self.headers[key]}, {value}" if key in self.headers else value
         self.held = 0              # budget bytes this request holds
         self.started = False       # a streamed answer has begun

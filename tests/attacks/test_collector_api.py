@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from tests.collector.helpers import api_url
+from tests.collector.helpers import api_url, query
 
 
 def test_sql_cannot_read_the_collectors_working_directory(collector_factory, tmp_path, monkeypatch):
@@ -77,3 +77,15 @@ def test_a_page_of_another_site_cannot_query(collector_factory, headers):
                  {"Origin": f"http://127.0.0.1:{collector.api_port}", "Sec-Fetch-Site": "same-origin"}):
         ok = requests.get(url, params={"q": "SELECT 1"}, headers=fine, timeout=60)
         assert ok.status_code == 200 and ok.json()["rows"] == [[1]], (fine, ok.text[:300])
+
+
+@pytest.mark.parametrize("encoded,rollout", [("a%252Fb", "a%2Fb"), ("a%2Fb", "a/b"), ("r%20one", "r one")])
+def test_the_events_route_decodes_the_rollout_id_once(collector_factory, data_dir, encoded, rollout):
+    """``/v1/rollouts/a%252Fb/events`` stored its reward under ``a/b`` (the path decoded twice), and
+    ``a%2Fb`` (how ``lightspan rollout`` quotes an id with a slash in AGL_EVENT_URL) was 404."""
+    collector = collector_factory()
+    answer = requests.post(api_url(collector, f"/v1/rollouts/{encoded}/events"), timeout=30,
+                           json={"event_type": "reward", "data": {"value": 0.5}})
+    assert answer.status_code == 200 and answer.json()["rewards"][0]["rollout_id"] == rollout, answer.text[:300]
+    collector.flush()
+    assert query(data_dir, "SELECT rollout_id, reward FROM spans WHERE name = 'lightspan.reward'") == [(rollout, 0.5)]

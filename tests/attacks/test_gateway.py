@@ -318,3 +318,19 @@ def test_the_openai_client_reads_a_wrong_type_refusal(gateway_factory, upstream)
     # the right types still pass (null is an unset field)
     ok = requests.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": None, "logprobs": None}, timeout=10)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_repeated_agent_or_rollout_header_is_its_first_value(gateway_factory, upstream):
+    """``x-lightspan-agent: first`` and ``x-lightspan-agent: second`` made the span's agent
+    "first, second" (which no --agent-match selects); the first value wins, as documented."""
+    gw = gateway_factory(upstream)
+    body = json.dumps(CHAT)
+    answer = raw_request(port_of(gw), (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                       f"Content-Type: application/json\r\nX-Lightspan-Agent: first\r\n"
+                                       f"x-lightspan-agent: second\r\nX-Lightspan-Rollout-Id: r1\r\n"
+                                       f"X-Lightspan-Rollout-Id: r2\r\nConnection: close\r\n"
+                                       f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    assert status_of(answer) == 200, answer[:300]
+    (span,) = gw.exporter.get_finished_spans()
+    assert span.attributes["gen_ai.agent.name"] == "first"
+    assert span.attributes["lightspan.rollout.id"] == "r1"

@@ -26,3 +26,14 @@ def test_no_header_or_one_that_cannot_be_a_name_sets_nothing():
     # a bad first value does not hide a good second one
     assert header_attributes([("x-lightspan-agent", ""), ("x-lightspan-agent", "ok")]) == {
         semconv.GEN_AI_AGENT_NAME: "ok"}
+
+
+def test_a_header_sent_twice_is_its_first_value_not_both_joined():
+    """Two ``x-lightspan-agent`` headers were recorded as "first, second" (the values joined, as a
+    mapping of headers holds them); the docs say the first wins, for the rollout headers too."""
+    from lightspan.rollout.protocols import call_attributes
+
+    pairs = [("X-Lightspan-Agent", "first"), ("x-lightspan-agent", "second"), ("X-Lightspan-Rollout-Id", "r1"),
+             ("x-lightspan-rollout-id", "r2"), ("x-lightspan-task-id", ""), ("x-lightspan-task-id", "t7")]
+    assert call_attributes({semconv.ROLLOUT_ID: "from-path"}, pairs) == {
+        semconv.GEN_AI_AGENT_NAME: "first", semconv.ROLLOUT_ID: "r1", semconv.TASK_ID: "t7"}
