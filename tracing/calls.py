@@ -236,10 +236,21 @@ def _other_url_reason(base: str, raw: str) -> str:
             "LIGHTSPAN_CAPTURE_URLS; a hosted API's calls cannot be trained on")
 
 
+_SENTINELS = frozenset({"NotGiven", "Omit"})
+
+
+def _given(body: dict) -> dict:
+    """The body without the top-level ``NOT_GIVEN`` / ``omit`` sentinels that the openai 1.x client
+    leaves in the body it posts and strips only as it sends it (its arguments left unset)."""
+    if not any(type(v).__name__ in _SENTINELS for v in body.values()):
+        return body
+    return {k: v for k, v in body.items() if type(v).__name__ not in _SENTINELS}
+
+
 def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, instance):
     """(call, request body to send) for a call bound for a capture URL."""
     if api == urls.RESPONSES:
-        cap = ResponsesCapture.for_request(asked)
+        cap = ResponsesCapture.for_request(_given(asked))
         if isinstance(cap, ConvertedCapture):   # as a chat completion, which has every token's logprob
             return Call(library, api, cap, stream, converted=True), cap.request()
         return Call(library, api, cap, stream), body if cap.unsupported else capture_responses.with_capture(body)

@@ -27,8 +27,10 @@ instrumentor and a gateway alike:
 Where the answer echoes what vLLM resolved rather than what was asked, it says what was asked:
 ``temperature`` / ``top_p`` left unset echo vLLM's defaults (1.0; a server whose model has a
 generation config of its own samples with, and would echo, that config's), ``max_output_tokens``
-left unset echoes ``null`` (vLLM: the room left in the context), and ``usage.input_tokens_details
-.cached_tokens`` is the chat answer's (0 unless vLLM runs with ``--enable-prompt-tokens-details``).
+left unset echoes ``null`` (vLLM: the room left in the context), and the prompt cache counts
+(``usage.input_tokens_details``) are the chat answer's: ``cached_tokens`` 0 unless vLLM runs with
+``--enable-prompt-tokens-details``, ``cache_write_tokens`` 0 (vLLM's Responses route: the prompt
+tokens it wrote to its prefix cache, which its chat route does not report).
 """
 
 from __future__ import annotations

@@ -309,3 +309,33 @@ def test_a_request_the_conversion_cannot_reproduce_goes_to_vllms_messages_route(
     (row,) = stored(data, ports, "inline-system")
     assert row["capture_status"] == "unsupported_request"
     assert "role 'system'" in json.loads(row["attributes"][semconv.CAPTURE_REASON])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+def test_a_responses_request_the_conversion_cannot_reproduce_goes_to_vllms_responses_route(stack, stream):
+    """A Responses request that asks for the output text's logprobs itself (only vLLM's Responses
+    route writes them) goes there, with ``enable_response_messages``; the caller gets the logprobs
+    it asked for and not the ids; the span has vLLM's ids, and ``no_logprobs`` where vLLM gave no
+    logprob for a token (a stream's end of turn)."""
+    from tests.tracing.test_protocols import responses_returned
+
+    url, data, ports, recorder = stack
+    with recorder.lock:
+        recorder.exchanges.clear()
+    rollout = f"responses-native-{stream}-{uuid.uuid4().hex[:6]}"
+    status, ctype, answer = curl(f"{url}/rollouts/{rollout}/v1/responses", {
+        "model": "policy", "input": "Say hi.", "max_output_tokens": 6, "stream": stream,
+        "include": ["message.output_text.logprobs"]})
+    assert status == 200, answer[:500]
+    ((path, sent, _, _),) = exchanges(recorder, 1)
+    assert path == "/v1/responses" and sent["enable_response_messages"] is True
+    if stream:
+        response = [e for _, e in sse(answer) if e["type"] == "response.completed"][-1]["response"]
+    else:
+        response = json.loads(answer)
+    assert response["input_messages"] is None and response["output_messages"] is None
+    assert response["output"][0]["content"][0]["logprobs"]   # asked for: the caller's
+    prompt, completion, logprobs = responses_returned(exchanges(recorder, 1)[0])
+    (row,) = stored(data, ports, rollout)
+    assert (tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])) == (prompt, completion)
+    assert row["capture_status"] == ("ok" if len(logprobs) == len(completion) else "no_logprobs")

@@ -24,7 +24,6 @@ import requests
 from lightspan.tracing import semconv
 from tests.conftest import collector_process
 from tests.tracing.test_frameworks import _f32, vllm_returned
-from tests.tracing.test_protocols import responses_returned
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 2
@@ -114,21 +113,18 @@ def test_an_agents_sdk_agent_with_a_tool_on_its_default_model(collector, recorde
     env = {"OPENAI_DEFAULT_MODEL": vllm_server.model_name, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
     summary, exchanges, con, logs = _rollout("agents_sdk_tools", "examples/frameworks/openai_agents_tools.py",
                                              collector, recorder, tmp_path, env)
-    assert exchanges and {path for path, *_ in exchanges} == {"/v1/responses"}, logs
+    # converted to chat completions, as vLLM's /v1/responses converts them, with the capture fields
+    assert exchanges and {path for path, *_ in exchanges} == {"/v1/chat/completions"}, logs
     sent = [request for _, request, *_ in exchanges]
-    assert all(r["enable_response_messages"] is True and r["tools"][0]["name"] == "add" for r in sent)
+    assert all(r["return_token_ids"] is True and r["tools"][0]["function"]["name"] == "add" for r in sent)
     rows = _stored_calls(con, "agents_sdk_tools-task")
     # one row per call: traceloop's openai.response span of each call is marked as lightspan's duplicate
     assert len(rows) == len(exchanges) and {r[2] for r in rows} == {"lightspan.instrumentor"}, rows
-    # the ids always; the logprobs where vLLM gave one per token (not for an empty reply: its only
-    # token, the end of the turn, has no text, and vLLM's Responses API has no logprob for it)
-    returned = [responses_returned(e) for e in exchanges]
-    expected = Counter((p, c, lp if len(lp) == len(c) else None) for p, c, lp in returned)
-    assert Counter((tuple(r[3]), tuple(r[4]), tuple(_f32(r[5])) if r[5] is not None else None)
-                   for r in rows) == expected
-    statuses = Counter("ok" if len(lp) == len(c) else "no_logprobs" for _, c, lp in returned)
-    assert Counter(r[1] for r in rows) == statuses
-    assert summary["capture"]["calls"] == len(exchanges) and summary["capture"]["captured"] == statuses["ok"]
+    # every call ok with vLLM's ids and a logprob per token (the tool call, an empty reply's end of turn too)
+    assert [r[1] for r in rows] == ["ok"] * len(exchanges), rows
+    expected = Counter(vllm_returned(e) for e in exchanges)
+    assert Counter((tuple(r[3]), tuple(r[4]), tuple(_f32(r[5]))) for r in rows) == expected
+    assert summary["capture"]["calls"] == len(exchanges) == summary["capture"]["captured"]
     con.close()
 
 
@@ -153,18 +149,21 @@ def test_calls_that_cannot_be_captured_are_shown(collector, recorder, vllm_serve
         "mix", "tests/agents/capture_mix_agent.py", collector, recorder, tmp_path,
         {"OTHER_BASE_URL": f"{vllm_server.url}/v1"})
     capture = summary["capture"]
-    # per rollout: the localhost-spelled call captured; the other server's call and the two streams not
-    assert capture["calls"] == 4 * SAMPLES and capture["captured"] == SAMPLES
+    # per rollout: the localhost-spelled call and the converted tool-call-only Responses call captured;
+    # the other server's call and the two Responses calls that asked for include themselves not
+    assert capture["calls"] == 5 * SAMPLES and capture["captured"] == 2 * SAMPLES
     assert capture["not_captured"] == {"other_url": SAMPLES, "no_logprobs": 2 * SAMPLES}
     assert "is not a capture URL" in capture["reasons"]["other_url"]
     assert "LIGHTSPAN_CAPTURE_URLS" in capture["reasons"]["other_url"]
-    assert "Responses API" in capture["reasons"]["no_logprobs"]
+    assert "/v1/responses" in capture["reasons"]["no_logprobs"] and "include" in capture["reasons"]["no_logprobs"]
     assert "not captured (no_logprobs)" in logs and "not captured (other_url)" in logs   # said, with the fix
     rows = con.execute("""
         SELECT num_uncaptured_calls, capture_problem, capture_reason FROM rollouts
         WHERE task_id = 'mix-task' AND num_llm_calls > 0""").fetchall()
     assert len(rows) == SAMPLES
-    assert all(n == 3 and problem == "no_logprobs" and "Responses API" in reason for n, problem, reason in rows), rows
+    assert all(n == 3 and problem == "no_logprobs" and "include" in reason for n, problem, reason in rows), rows
     statuses = Counter(status for _, status, *_ in _stored_calls(con, "mix-task"))
-    assert statuses == {"ok": SAMPLES, "other_url": SAMPLES, "no_logprobs": 2 * SAMPLES}
+    assert statuses == {"ok": 2 * SAMPLES, "other_url": SAMPLES, "no_logprobs": 2 * SAMPLES}
+    paths = Counter(path for path, *_ in exchanges)
+    assert paths == {"/v1/chat/completions": 2 * SAMPLES, "/v1/responses": 2 * SAMPLES}
     con.close()
