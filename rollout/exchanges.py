@@ -69,8 +69,10 @@ _COMMON = {"model": (str, "a string"), "stream": (bool, "a boolean"), "temperatu
 FIELDS = {
     urls.CHAT: {**_COMMON, "logprobs": (bool, "a boolean"), "return_token_ids": (bool, "a boolean")},
     urls.TEXT_COMPLETION: {**_COMMON, "logprobs": (int, "an integer"), "return_token_ids": (bool, "a boolean")},
+    # the Response envelope the gateway writes for a converted call echoes the sampling settings as numbers
     urls.RESPONSES: {**_COMMON, "include": (list, "an array of strings"), "background": (bool, "a boolean"),
-                     "enable_response_messages": (bool, "a boolean")},
+                     "enable_response_messages": (bool, "a boolean"), "top_p": (_NUMBER, "a number"),
+                     "presence_penalty": (_NUMBER, "a number"), "frequency_penalty": (_NUMBER, "a number")},
     urls.MESSAGES: _COMMON,
 }
 

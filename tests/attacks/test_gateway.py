@@ -279,6 +279,8 @@ WRONG_TYPES = [  # (path, body, the field the gateway reads with the wrong type)
     ("/v1/responses", {**RESPONSES, "background": "yes"}, "background"),
     ("/v1/responses", {**RESPONSES, "enable_response_messages": {}}, "enable_response_messages"),
     ("/v1/responses", {**RESPONSES, "stream": "true"}, "stream"),
+    ("/v1/responses", {**RESPONSES, "top_p": "x"}, "top_p"),            # echoed in the Response as a number
+    ("/v1/responses", {**RESPONSES, "presence_penalty": [1]}, "presence_penalty"),
     ("/v1/chat/completions", {**CHAT, "stream": 1}, "stream"),
     ("/v1/chat/completions", {**CHAT, "model": {"name": "policy"}}, "model"),
     ("/v1/chat/completions", {**CHAT, "logprobs": "yes"}, "logprobs"),
