@@ -34,7 +34,7 @@ import logging
 from lightspan.rollout.protocols import dumps
 from lightspan.tracing import capture_responses, messages, semconv, urls
 from lightspan.tracing.anthropic_convert import to_error
-from lightspan.tracing.capture import REASONS, Capture, loads, with_capture
+from lightspan.tracing.capture import REASONS, Capture, loads, only_for_capture, with_capture
 from lightspan.tracing.capture_anthropic import PATH as CHAT_PATH
 from lightspan.tracing.capture_anthropic import AnthropicCapture
 from lightspan.tracing.capture_responses import PATH as RESPONSES_CHAT_PATH
@@ -207,6 +207,8 @@ class ChatExchange(Exchange):
             chunk = loads(data)
             self._read(chunk)
             if self.strip:
+                if self.cap.drops_empty_chunks and type(chunk) is dict and only_for_capture(chunk):
+                    return []                        # sent only because the gateway asked for ids
                 data = dumps(chunk).encode()
         return [b"data: " + data + b"\n\n"]
 

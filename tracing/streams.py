@@ -22,6 +22,7 @@ import functools
 
 import orjson
 
+from lightspan.tracing.capture import EMPTY_DELTA, only_for_capture
 from lightspan.tracing.sse import SSEParser
 
 
@@ -31,17 +32,30 @@ class CapturedDecoder:
     def __init__(self, inner, call, read, event_type: type, own: bool):
         self.inner, self.call, self.read, self.event_type, self.own = inner, call, read, event_type, own
         self.ended = False
+        self.drops = bool(getattr(call.cap, "drops_empty_chunks", False))
 
     def _make(self, name, data, id, retry):
         return self.event_type(self.call, self.read, name, data, id, retry)
 
-    def _pass(self, sse) -> None:
+    def _pass(self, sse) -> bool:
         """Before an event goes out: the capture is recorded as ``[DONE]`` goes; an event of the
-        client's own decoder is read into the capture (the client decodes its own copy)."""
-        if sse.data.startswith("[DONE]"):
+        client's own decoder is read into the capture (the client decodes its own copy). True when
+        the event does not go out: a chunk vLLM sent only because lightspan asked for the ids
+        (:func:`~lightspan.tracing.capture.only_for_capture`), read into the capture here."""
+        data = sse.data
+        if data.startswith("[DONE]"):
             self.end(True)
-        elif not self.own:
-            self.read(self.call, sse.data)
+            return False
+        maybe = self.drops and EMPTY_DELTA in data
+        if not self.own:
+            decoded = self.read(self.call, data)
+            return maybe and type(decoded) is dict and only_for_capture(decoded)
+        if maybe:
+            decoded = self.read(self.call, data)
+            if type(decoded) is dict and only_for_capture(decoded):
+                return True
+            sse._lightspan = (decoded, None)   # read: its json() is this
+        return False
 
     def end(self, complete: bool) -> None:
         if not self.ended:
@@ -57,15 +71,15 @@ class CapturedDecoder:
                 parser = SSEParser(self._make)
                 for chunk in iterator:
                     for sse in self._events(parser, chunk):
-                        self._pass(sse)
-                        yield sse
+                        if not self._pass(sse):
+                            yield sse
                     parser.check()
                 parser.finish()
                 parser.check()
             else:
                 for sse in self.inner.iter_bytes(iterator):
-                    self._pass(sse)
-                    yield sse
+                    if not self._pass(sse):
+                        yield sse
             self.end(True)
         finally:
             self.end(False)
@@ -76,15 +90,15 @@ class CapturedDecoder:
                 parser = SSEParser(self._make)
                 async for chunk in iterator:
                     for sse in self._events(parser, chunk):
-                        self._pass(sse)
-                        yield sse
+                        if not self._pass(sse):
+                            yield sse
                     parser.check()
                 parser.finish()
                 parser.check()
             else:
                 async for sse in self.inner.aiter_bytes(iterator):
-                    self._pass(sse)
-                    yield sse
+                    if not self._pass(sse):
+                        yield sse
             self.end(True)
         finally:
             self.end(False)
@@ -110,8 +124,8 @@ class ConvertedDecoder(CapturedDecoder):
                     out += [make(name, d) for name, d in cap.events(chunk_json)]
         return out
 
-    def _pass(self, sse) -> None:
-        pass
+    def _pass(self, sse) -> bool:
+        return False
 
 
 def _server_sent_event(library: str) -> type:
@@ -133,6 +147,8 @@ def event_type(library: str) -> type:
 
         def json(self):
             call, read = self._lightspan
+            if read is None:   # (read already, by CapturedDecoder._pass: ``call`` is what it decoded)
+                return call
             return read(call, self._data)
 
     return CapturedEvent

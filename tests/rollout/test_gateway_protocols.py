@@ -339,3 +339,30 @@ def test_a_responses_request_the_conversion_cannot_reproduce_goes_to_vllms_respo
     (row,) = stored(data, ports, rollout)
     assert (tuple(row["prompt_token_ids"]), tuple(row["completion_token_ids"])) == (prompt, completion)
     assert row["capture_status"] == ("ok" if len(logprobs) == len(completion) else "no_logprobs")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+@pytest.mark.parametrize("protocol", ["chat", "completions", "responses", "messages"])
+def test_the_sdk_client_sees_through_the_gateway_what_it_sees_from_vllm(stack, vllm_server, monkeypatch, protocol,
+                                                                        stream):
+    """Greedy, the provider's SDK objects (tests/tracing/agent_view.py) of a call through the gateway
+    equal those of the same call straight to vLLM, ids aside: nothing the gateway asked for (ids,
+    logprobs, the chunks vLLM sends only for them) reaches the caller but as vLLM's own ``null``."""
+    import anthropic
+    from openai import OpenAI
+
+    from tests.tracing.agent_view import aside, call
+
+    url, data, ports, _ = stack
+    monkeypatch.setenv("LIGHTSPAN_CAPTURE_URLS", "http://127.0.0.1:9")   # this process captures nothing itself
+    rollout = f"view-{protocol}-{stream}-{uuid.uuid4().hex[:6]}"
+
+    def client(base: str):
+        return anthropic.Anthropic(base_url=base, api_key="k") if protocol == "messages" else OpenAI(
+            base_url=f"{base}/v1", api_key="k")
+
+    plain = call(client(vllm_server.url), protocol, stream)
+    seen = call(client(f"{url}/rollouts/{rollout}"), protocol, stream)
+    assert aside(seen, protocol) == aside(plain, protocol)
+    (row,) = stored(data, ports, rollout)
+    assert row["capture_status"] == "ok"
