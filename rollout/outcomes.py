@@ -27,13 +27,21 @@ class Outcome:
     delivery: Delivery | None = None   # its spans: spooled, delivered, lost (rollout/spool.py)
 
     @property
+    def exception(self) -> str | None:
+        """The type of the uncaught exception that ended the process, as its spool recorded it."""
+        return self.delivery.exception if self.delivery is not None else None
+
+    @property
     def end(self) -> tuple[str, int | None]:
-        """How the process ended (:data:`semconv.ROLLOUT_END`) and the signal that ended it, if one did."""
+        """How the process ended (:data:`semconv.ROLLOUT_END`) and the signal that ended it, if one did:
+        an exit with a non-zero status that an uncaught exception caused is ``exception``."""
         if self.outcome == "timeout":
             return "timeout", -self.exit_code if self.exit_code is not None and self.exit_code < 0 else None
         if self.exit_code is None:
             return "unknown", None
-        return ("signal", -self.exit_code) if self.exit_code < 0 else ("exit", None)
+        if self.exit_code < 0:
+            return "signal", -self.exit_code
+        return ("exception", None) if self.exit_code > 0 and self.exception else ("exit", None)
 
 
 def read_report(path: Path) -> dict | None:
@@ -87,6 +95,8 @@ def record_outcome(shipper: Shipper, split: str, o: Outcome) -> None:
              semconv.ROLLOUT_END: end}
     if sig is not None:
         attrs[semconv.ROLLOUT_SIGNAL] = sig
+    if end == "exception":
+        attrs[semconv.ROLLOUT_EXCEPTION_TYPE] = o.exception
     d = o.delivery
     if d is not None and d.spool:
         attrs.update({semconv.ROLLOUT_SPANS_SPOOLED: d.spooled, semconv.ROLLOUT_SPANS_LOST: d.lost,

@@ -13,7 +13,11 @@ rollout`` exits non-zero). Spans the agent's own exporter delivered first are st
 collector keeps the first copy of each (trace_id, span_id).
 
 The spool is written by the agent, which the runner does not trust with its identity: every
-shipped span's resource carries the rollout's own ids, whatever the file says.
+shipped span's resource carries the rollout's own ids, whatever the file says. A shipped span is
+the one the agent's exporter would send, byte for byte in OTLP (tracing/spool.py says how), since
+its copy is usually the one the collector keeps. The spool also says whether an uncaught exception
+ended the agent's own process (the first to open the file; a subprocess's does not count):
+:attr:`Delivery.exception`, the rollout's end ``exception`` (rollout/outcomes.py).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
@@ -48,6 +54,7 @@ class Delivery:
     lost: int = 0
     damaged: int = 0
     spool: bool = True
+    exception: str | None = None   # the uncaught exception's type that ended the agent process, if one did
 
 
 def exporter(endpoint: str, protocol: str, timeout_s: float):
@@ -64,22 +71,53 @@ def _context(trace_hex: str, span_hex: str, remote: bool, flags: int = 1, state:
                        TraceState.from_header([state]) if state else None)
 
 
-def to_span(record: dict, resource: Resource) -> ReadableSpan:
-    """The SDK span a spool record describes (the inverse of tracing/spool.py's ``span_record``)."""
-    scope = record.get("s")
+def _attributes(raw: dict | None, dropped: int = 0):
+    """A record's attributes, with the count of those the agent's SDK dropped (its limits)."""
+    attrs = format_.attributes(raw)
+    if not dropped:
+        return attrs
+    bounded = BoundedAttributes(None, attrs)
+    bounded.dropped = dropped
+    return bounded
+
+
+def _bounded(items: list, dropped: int):
+    if not dropped:
+        return items
+    out = BoundedList.from_seq(None, items)
+    out.dropped = dropped
+    return out
+
+
+def _scope(raw: list | None, scopes: dict) -> InstrumentationScope | None:
+    """One scope object per scope: the encoder groups spans by it (a NaN attribute is unequal to itself)."""
+    if not raw:
+        return None
+    key = repr(raw)
+    if key not in scopes:
+        attrs = format_.attributes(raw[3]) if len(raw) > 3 else None
+        scopes[key] = InstrumentationScope(raw[0], raw[1], raw[2], attrs)
+    return scopes[key]
+
+
+def to_span(record: dict, resource: Resource, scopes: dict | None = None) -> ReadableSpan:
+    """The SDK span a spool record describes (the inverse of tracing/spool.py's ``span_record``): its
+    OTLP encoding is the one the agent's exporter would send."""
     parent = _context(record["t"], record["p"], bool(record.get("pr"))) if record.get("p") else None
     code, description = record.get("st") or (0, None)
     status_code = StatusCode(code)
+    dropped = record.get("d") or (0, 0, 0)
+    events = [Event(e[0], _attributes(e[2], e[3] if len(e) > 3 else 0), e[1]) for e in record.get("ev", ())]
+    links = [Link(_context(link[0], link[1], bool(link[3]), link[4]),
+                  _attributes(link[2], link[5] if len(link) > 5 else 0)) for link in record.get("l", ())]
     return ReadableSpan(
         record["n"], context=_context(record["t"], record["i"], False, record.get("f", 1), record.get("ts")),
-        parent=parent, resource=resource, attributes=format_.attributes(record.get("a")),
-        events=[Event(name, format_.attributes(attrs), ts) for name, ts, attrs in record.get("ev", ())],
-        links=[Link(_context(link[0], link[1], bool(link[3]), link[4]), format_.attributes(link[2]))
-               for link in record.get("l", ())],
+        parent=parent, resource=resource, attributes=_attributes(record.get("a"), dropped[0]),
+        events=_bounded(events, dropped[1]), links=_bounded(links, dropped[2]),
         kind=SpanKind(record.get("kd", 0)),
         status=Status(status_code, description if status_code is StatusCode.ERROR else None),
         start_time=record.get("b"), end_time=record.get("e"),
-        instrumentation_scope=InstrumentationScope(scope[0], scope[1], scope[2]) if scope else None)
+        instrumentation_scope=_scope(record.get("s"), {} if scopes is None else scopes))
 
 
 def runner_span(attributes: dict, start_ns: int, end_ns: int, error: str | None) -> ReadableSpan:
@@ -101,7 +139,9 @@ class Tail:
     ids: dict                                   # the rollout's resource attributes, forced on every span
     offset: int = 0
     seen: bool = False                          # the spool file existed
+    agent_key: str | None = None                # the first process to open it: the agent's own
     resources: dict = field(default_factory=dict)
+    scopes: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)
     delivery: Delivery = field(default_factory=Delivery)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -121,10 +161,15 @@ class Tail:
             if "resource" in record:
                 attrs = {**format_.attributes(record["resource"]), **self.ids}
                 self.resources[record.get("key")] = Resource(attrs, record.get("schema") or None)
+                self.agent_key = self.agent_key or record.get("key")
+                continue
+            if "end" in record:   # an uncaught exception ended a process: the rollout's, if the agent's own
+                if record.get("end") == "exception" and record.get("key") == self.agent_key:
+                    self.delivery.exception = str(record.get("type") or "")[:200] or "Exception"
                 continue
             resource = self.resources.get(record.get("k")) or Resource(dict(self.ids))
             try:
-                self.pending.append(to_span(record, resource))
+                self.pending.append(to_span(record, resource, self.scopes))
                 self.delivery.spooled += 1
             except (KeyError, ValueError, TypeError, IndexError):
                 self.delivery.damaged += 1

@@ -275,12 +275,21 @@ def _run_agent(request: dict, spec: dict) -> int:
             return e.code & 0xFF
         sys.stderr.write(f"{e.code}\n")
         return 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return 130
-    except BaseException:  # noqa: BLE001 (as the interpreter does: the traceback, exit status 1)
-        traceback.print_exc()
-        return 1
+    except BaseException as e:  # noqa: BLE001 (as the interpreter does: sys.last_*, the hook, status 1)
+        _uncaught(e)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+def _uncaught(e: BaseException) -> None:
+    """As the interpreter does with an exception that ends ``__main__``: ``sys.last_*`` (read at exit by
+    the span spool, tracing/spool.py), then ``sys.excepthook`` (the traceback, or the agent's hook)."""
+    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = e
+    try:
+        sys.excepthook(type(e), e, e.__traceback__)
+    except BaseException:  # noqa: BLE001 (a hook that fails: the traceback, as the interpreter prints it)
+        traceback.print_exception(e)
 
 
 def _status(raw: int) -> int:

@@ -105,12 +105,15 @@ _VIEWS = {
                        FILTER (WHERE name = 'lightspan.runner') AS outcome,
                    any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
                        FILTER (WHERE name = 'lightspan.runner') AS exit_code,
-                   -- how its process ended (exit, timeout, signal, unknown) and the signal, if one;
-                   -- lost_spans: its spans the collector never acknowledged (the runner counted them)
+                   -- how its process ended (exit, exception, timeout, signal, unknown), the signal or
+                   -- the exception's type, if one; lost_spans: its spans the collector never
+                   -- acknowledged (the runner counted them)
                    any_value(json_extract_string(attributes['lightspan.rollout.end'], '$'))
                        FILTER (WHERE name = 'lightspan.runner') AS ended,
                    any_value(TRY_CAST(attributes['lightspan.rollout.signal'] AS BIGINT))
                        FILTER (WHERE name = 'lightspan.runner') AS end_signal,
+                   any_value(json_extract_string(attributes['lightspan.rollout.exception.type'], '$'))
+                       FILTER (WHERE name = 'lightspan.runner') AS end_exception,
                    any_value(TRY_CAST(attributes['lightspan.rollout.spans.lost'] AS BIGINT))
                        FILTER (WHERE name = 'lightspan.runner') AS lost_spans,
                    -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0

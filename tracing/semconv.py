@@ -102,10 +102,16 @@ ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
 """``ok``, ``failed`` or ``timeout``, on the runner's outcome span."""
 ROLLOUT_END = "lightspan.rollout.end"
 """How the agent process ended, on the runner's outcome span: ``exit`` (it exited, with
-:data:`ROLLOUT_EXIT_CODE`: an uncaught exception is an exit with status 1), ``timeout`` (the runner
-killed it at its time limit), ``signal`` (killed by a signal the runner did not send, such as the
-OOM killer's SIGKILL: :data:`ROLLOUT_SIGNAL`) or ``unknown`` (it could not start, or its worker died)."""
-ROLLOUT_ENDS = ("exit", "timeout", "signal", "unknown")
+:data:`ROLLOUT_EXIT_CODE`, ``sys.exit(1)`` included), ``exception`` (an uncaught exception ended it,
+exit status 1: :data:`ROLLOUT_EXCEPTION_TYPE`), ``timeout`` (the runner killed it at its time limit),
+``signal`` (killed by a signal the runner did not send, such as the OOM killer's SIGKILL:
+:data:`ROLLOUT_SIGNAL`) or ``unknown`` (it could not start, or its worker died)."""
+ROLLOUT_ENDS = ("exit", "exception", "timeout", "signal", "unknown")
+ROLLOUT_EXCEPTION_TYPE = "lightspan.rollout.exception.type"
+"""The type of the uncaught exception that ended the agent process (:data:`ROLLOUT_END` ``exception``),
+as OTel's ``exception.type``: its fully-qualified class name (``openai.APIConnectionError``), the bare
+name for a built-in or the script's own (``RuntimeError``). The agent's spool records it
+(tracing/spool.py)."""
 ROLLOUT_SIGNAL = "lightspan.rollout.signal"
 """The number of the signal that killed the agent process (:data:`ROLLOUT_END` ``signal``, ``timeout``)."""
 ROLLOUT_SPANS_SPOOLED = "lightspan.rollout.spans.spooled"

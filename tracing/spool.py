@@ -15,20 +15,36 @@ A record is ``MAGIC | length (uint32 LE) | crc32 (uint32 LE) | payload``; the pa
 agent's calling thread (bench/README.md, "Capture overhead", session 9), and the runner, which is
 not on the agent's path, encodes it. Each process writes one ``resource`` record when it opens the
 file (subprocesses the agent starts under ``opentelemetry-instrument`` append to the same file),
-then one record per span naming it by ``key``. Bytes values (token ids) travel as ``{"$b": base64}``.
+then one record per span naming it by ``key``. A span's record carries all the agent's exporter would
+send (the collector keeps the first copy of a span, and the runner ships every 2 s while the
+exporter waits up to 5 s, so the spool's copy is usually the one stored): attribute values of every
+type the SDK keeps, with what JSON cannot hold tagged, ``{"$b": base64}`` for bytes (token ids),
+``{"$f": "nan" | "inf" | "-inf"}`` for a float that is not finite, ``{"$m": {...}}`` for a mapping,
+and a value the OTLP encoder would skip (a lone surrogate, an integer beyond 64 bits) left out as it
+leaves it out; the dropped attribute, event and link counts; the scope's attributes.
 :func:`parse` reads records back, skipping (and counting) a truncated or damaged one, never raising.
+
+An uncaught exception that ends the process is recorded too, as one ``{"end": "exception", "type":
+...}`` record (:func:`_at_exit`, at exit, from ``sys.last_value``, which the interpreter sets before
+it calls ``sys.excepthook``: an agent that installs a hook of its own is still recorded; a rollout
+worker's child sets it as the interpreter does, rollout/zygote.py). The runner takes it from the
+process that opened the spool first, the agent's own (rollout/spool.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
 import os
 import struct
+import sys
 import threading
 import uuid
 import weakref
 import zlib
+
+from collections.abc import Mapping, Sequence
 
 import orjson
 from opentelemetry.sdk.trace import SpanProcessor
@@ -41,7 +57,7 @@ SPOOL_ENV = semconv.SPOOL_ENV
 MAGIC = b"LS"
 _HEADER = struct.Struct("<2sII")
 HEADER_SIZE = _HEADER.size
-_BYTES = "$b"
+_BYTES, _FLOAT, _MAP = "$b", "$f", "$m"
 
 
 def _default(value):
@@ -54,8 +70,45 @@ def frame(payload: bytes) -> bytes:
     return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
+def _value(v):
+    """An attribute value that is not a plain str, int, bool or bytes, as JSON keeps it (module docstring)."""
+    if v is None:
+        return None
+    if isinstance(v, float):
+        v = float(v)                   # a subclass (numpy.float64) as the float the encoder sends
+        return v if v - v == 0 else {_FLOAT: repr(v)}
+    if isinstance(v, (str, int, bytes)):
+        return v
+    if isinstance(v, Mapping):
+        return {_MAP: {k: _value(x) for k, x in v.items()}}
+    if isinstance(v, Sequence):
+        return [_value(x) for x in v]
+    return v
+
+
 def _attrs(attributes) -> dict:
-    return dict(attributes) if attributes else {}
+    if not attributes:
+        return {}
+    out = {}
+    for k, v in attributes.items():
+        t = type(v)       # the usual values, as they are: one type check each on the agent's thread
+        out[k] = v if t is str or t is int or t is bool or t is bytes else _value(v)
+    return out
+
+
+def _encodable(attributes: dict) -> dict:
+    """The attributes the OTLP encoder would send: it skips a value it cannot encode (a lone surrogate,
+    an integer beyond 64 bits), key by key; so does the spool (the slow path, after orjson refused one).
+    An integer orjson takes and the encoder does not (2**63 to 2**64 - 1) is kept: the runner's encoder
+    skips it as the agent's does."""
+    out = {}
+    for k, v in attributes.items():
+        try:
+            orjson.dumps(v, default=_default)
+        except TypeError:
+            continue
+        out[k] = v
+    return out
 
 
 def span_record(span, key: str) -> dict:
@@ -70,18 +123,37 @@ def span_record(span, key: str) -> dict:
     if ctx.trace_state:
         record["ts"] = ctx.trace_state.to_header()
     if scope is not None:
-        record["s"] = [scope.name, scope.version, scope.schema_url]
+        record["s"] = [scope.name, scope.version, scope.schema_url, _attrs(getattr(scope, "attributes", None))]
     if span.events:
-        record["ev"] = [[e.name, e.timestamp, _attrs(e.attributes)] for e in span.events]
+        record["ev"] = [[e.name, e.timestamp, _attrs(e.attributes), e.dropped_attributes] for e in span.events]
     if span.links:
         record["l"] = [[format(link.context.trace_id, "032x"), format(link.context.span_id, "016x"),
-                        _attrs(link.attributes), link.context.is_remote, int(link.context.trace_flags)]
-                       for link in span.links]
+                        _attrs(link.attributes), link.context.is_remote, int(link.context.trace_flags),
+                        link.dropped_attributes] for link in span.links]
+    dropped = [span.dropped_attributes, span.dropped_events, span.dropped_links]
+    if any(dropped):
+        record["d"] = dropped
     return record
 
 
 def dumps(record: dict) -> bytes:
-    return orjson.dumps(record, default=_default)
+    try:
+        return orjson.dumps(record, default=_default)
+    except TypeError:   # a value the encoder skips too: leave it out, key by key (_encodable)
+        if "a" not in record:
+            raise
+        fixed = {**record, "a": _encodable(record["a"])}
+        if "ev" in record:
+            fixed["ev"] = [[e[0], e[1], _encodable(e[2]), *e[3:]] for e in record["ev"]]
+        if "l" in record:
+            fixed["l"] = [[*link[:2], _encodable(link[2]), *link[3:]] for link in record["l"]]
+        return orjson.dumps(fixed, default=_default)
+
+
+def exception_type(exc: BaseException) -> str:
+    """OTel's ``exception.type`` of ``exc`` (semconv.ROLLOUT_EXCEPTION_TYPE)."""
+    t = type(exc)
+    return t.__qualname__ if t.__module__ in ("builtins", "__main__") else f"{t.__module__}.{t.__qualname__}"
 
 
 class Spool(SpanProcessor):
@@ -95,13 +167,28 @@ class Spool(SpanProcessor):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self.active = True     # (the capture benchmark switches it per call)
         self.failed = 0
-        attrs = dict(resource.attributes) if resource is not None else {}
+        attrs = _attrs(resource.attributes) if resource is not None else {}
         self._write({"resource": attrs, "schema": getattr(resource, "schema_url", "") or "", "key": self.key})
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict, fd: int | None = None) -> None:
         data = frame(dumps(record))
         while data:   # one write (a short one only on a full disk)
-            data = data[os.write(self.fd, data):]
+            data = data[os.write(self.fd if fd is None else fd, data):]
+
+    def ended_by(self, exc: BaseException) -> None:
+        """Record that an uncaught ``exc`` ends this process (module docstring)."""
+        record = {"end": "exception", "type": exception_type(exc), "key": self.key}
+        try:
+            if self.fd >= 0:
+                self._write(record)
+                return
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)   # shut down already
+            try:
+                self._write(record, fd)
+            finally:
+                os.close(fd)
+        except Exception as e:  # noqa: BLE001 (the process is ending; its end shows as an exit)
+            log.warning("lightspan: could not record the exception in %s: %s", self.path, e)
 
     def on_end(self, span) -> None:
         if not self.active:
@@ -128,6 +215,17 @@ class Spool(SpanProcessor):
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+_AT_EXIT_PID: list[int] = []   # the process whose atexit has _at_exit
+
+
+def _at_exit() -> None:
+    """At exit: the uncaught exception that ends this process, if one does, into its spools."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return
+    for spool in list(_ATTACHED.values()):
+        if spool.pid == os.getpid():
+            spool.ended_by(exc)
 
 
 def attach(provider) -> Spool | None:
@@ -149,6 +247,9 @@ def attach(provider) -> Spool | None:
             return None
         provider.add_span_processor(spool)
         _ATTACHED[provider] = spool
+        if _AT_EXIT_PID != [os.getpid()]:   # after the provider's own: ours runs first (LIFO)
+            atexit.register(_at_exit)
+            _AT_EXIT_PID[:] = [os.getpid()]
         return spool
 
 
@@ -156,7 +257,13 @@ def attach(provider) -> Spool | None:
 
 def _undo(value):
     if isinstance(value, dict):
-        return base64.b64decode(value[_BYTES]) if _BYTES in value else None
+        if _BYTES in value:
+            return base64.b64decode(value[_BYTES])
+        if _FLOAT in value:
+            return float(value[_FLOAT])
+        if _MAP in value:
+            return {k: _undo(v) for k, v in value[_MAP].items()}
+        return None
     if isinstance(value, list):
         return tuple(_undo(v) for v in value)
     return value
