@@ -31,11 +31,13 @@ Timeouts kill the agent's whole process group. Retries are for infrastructure fa
 exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
 
 The agent runs with this environment's interpreter: a command that starts with a bare ``python``
-(``python3``, ``python3.11``) runs ``sys.executable``, and inside a virtual environment its
-``bin`` comes first on the agent's ``PATH`` (as if it were activated), so the processes the
-agent starts by the name ``python`` (an MCP server, a tool) get the same packages. An interpreter
-given by its path runs as given, with its own virtual environment's ``bin`` first on ``PATH``;
-any other command runs as given.
+(``python3``, ``python3.11``) runs ``sys.executable``, and for every command but an interpreter
+given by its path, this virtual environment's ``bin`` comes first on the agent's ``PATH`` (as if it
+were activated): an agent started through a shell, ``env`` or a wrapper script (``sh -c "exec
+python -m lightspan.rollout.agent_class M.C"``) and the processes an agent starts by the name
+``python`` (an MCP server, a tool) get lightspan's interpreter and packages, instrumented. An
+interpreter given by its path (``/other/venv/bin/python agent.py``) runs as given, with its own
+virtual environment's ``bin`` first on ``PATH``.
 
 Agent Lightning's agents run unchanged: each gets ``AGL_OPENAI_BASE_URL`` (= ``OPENAI_BASE_URL``),
 ``AGL_KEY`` (= ``OPENAI_API_KEY``) and ``AGL_EVENT_URL``, the collector API's
@@ -108,7 +110,10 @@ class RolloutConfig:
                   "with its own environment, resource attributes, log, exit code and timeout "
                   "(rollout/worker.py); commands other than `python script.py` / `python -m mod` run in process "
                   "mode. 'process': each rollout is a fresh `opentelemetry-instrument` process, for agents "
-                  "whose libraries read per-rollout settings at import time.", choices=("worker", "process"))
+                  "whose libraries read per-rollout settings at import time. A bare `python` is lightspan's "
+                  "interpreter, and lightspan's environment comes first on every agent's PATH (a shell, env or a "
+                  "wrapper script that starts `python` gets it too); an interpreter given by its path runs with "
+                  "its own environment first.", choices=("worker", "process"))
     collector_api_url: str = option(
         "http://127.0.0.1:8321", "The collector's API (its api_port): agents post reward events to "
                                  "AGL_EVENT_URL = COLLECTOR_API_URL/v1/rollouts/ID/events (Agent Lightning's agents).")
@@ -251,12 +256,10 @@ _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 
 
 def activated_path(command: list[str], path: str) -> str:
-    """``PATH`` for the agent: the ``bin`` of the virtual environment whose interpreter runs it
-    first (this one's for a bare ``python``, or the one of an interpreter given by its path), as if
-    that environment were activated; unchanged for any other command."""
-    if not command or not _PYTHON.fullmatch(Path(command[0]).name):
-        return path
-    if "/" in command[0]:
+    """``PATH`` for the agent: a virtual environment's ``bin`` first, as if it were activated: that of
+    an interpreter given by its path, else this one's (a bare ``python``, a shell, ``env``, a wrapper
+    script: whatever they start as ``python`` is lightspan's); unchanged outside a virtual environment."""
+    if command and "/" in command[0] and _PYTHON.fullmatch(Path(command[0]).name):
         bin_dir = Path(command[0]).absolute().parent
         in_venv = (bin_dir.parent / "pyvenv.cfg").is_file()
     else:

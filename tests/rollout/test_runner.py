@@ -144,7 +144,53 @@ def test_a_bare_python_is_this_environments_interpreter(tmp_path, monkeypatch):
     (other / "pyvenv.cfg").write_text("home = /usr/bin\n")
     assert runner.activated_path([str(other / "bin" / "python3"), "a.py"], "/bin") == f"{other / 'bin'}:/bin"
     assert runner.activated_path(["/usr/bin/python3", "a.py"], "/bin") == "/bin"      # not a venv
-    assert runner.activated_path(["node", "a.js"], "/bin") == "/bin"
+    if sys.prefix != sys.base_prefix:   # any other command (a shell, env, a wrapper): this environment first
+        for command in (["node", "a.js"], ["sh", "-c", "exec python a.py"], ["/usr/bin/env", "python", "a.py"]):
+            assert runner.activated_path(command, "/bin") == f"{Path(sys.executable).parent}:/bin", command
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="lightspan runs in no virtual environment here")
+def test_an_agent_started_through_a_shell_gets_lightspans_environment(tmp_path, monkeypatch):
+    """``sh -c "exec python -m lightspan.rollout.agent_class MODULE.CLASS"`` in process mode (issue
+    32, 5): the shell's ``python`` is lightspan's, instrumented, with a decoy ``python`` first on the
+    caller's PATH; the agent's calls are stored with their rollout's ids and their token ids."""
+    from tests.attacks.conftest import Upstream
+    from tests.conftest import collector_process
+
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "python").write_text("#!/bin/sh\necho decoy: no lightspan here\nexit 3\n")
+    (decoy / "python").chmod(0o755)
+    (tmp_path / "shellagent").mkdir()
+    (tmp_path / "shellagent" / "__init__.py").write_text(
+        "from openai import OpenAI\n"
+        "class Agent:\n"
+        "    def run(self):\n"
+        "        client = OpenAI(max_retries=0)\n"
+        "        for n in range(2):\n"
+        "            client.chat.completions.create(model='policy', messages=[{'role': 'user', 'content': str(n)}])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{decoy}:/usr/bin:/bin")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    llm = Upstream()
+    data = tmp_path / "data"
+    data.mkdir()
+    try:
+        with collector_process(data, tmp_path / "collector.log") as (_, ports):
+            cfg = _cfg(tmp_path, openai_base_url=f"{llm.url}/v1", otlp_endpoint=f"http://127.0.0.1:{ports['http']}",
+                       mode="process", timeout_s=90.0)
+            out = runner.run_one(cfg, ["sh", "-c", "exec python -m lightspan.rollout.agent_class shellagent.Agent"],
+                                 {"id": "t1"}, 0, None, tmp_path)
+            log = (tmp_path / f"{out.rollout_id}.log").read_text()
+            assert out.outcome == "ok" and "decoy" not in log, log
+            import requests
+
+            requests.post(f"http://127.0.0.1:{ports['api']}/v1/flush", timeout=60).raise_for_status()
+            rows = store.connect(data).execute(
+                "SELECT rollout_id, task_id, prompt_token_ids IS NOT NULL FROM llm_calls").fetchall()
+    finally:
+        llm.close()
+    assert rows == [(out.rollout_id, "t1", True)] * 2, rows
 
 
 def test_agent_lightning_agents_get_their_environment(tmp_path, monkeypatch):
