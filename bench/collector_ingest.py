@@ -221,8 +221,8 @@ def _baseline(conn) -> None:
 
 def _use_tree(tree: str) -> None:
     """Import ``lightspan`` from the checkout ``tree`` in this process, with the distribution's
-    package-dir mapping (``lightspan.collector`` is ``tree/collector``, ``lightspan.config`` is
-    ``tree/lightspan/config.py``), ahead of the installed (editable) one."""
+    package-dir mapping (``lightspan.collector`` is ``tree/collector``, ``lightspan.core.config`` is
+    ``tree/core/config.py``), ahead of the installed (editable) one."""
     import importlib.abc
     import importlib.machinery
     import importlib.util

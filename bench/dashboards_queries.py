@@ -5,7 +5,7 @@
 1. Generates ``--rollouts`` rollouts of 10 spans with token ids (bench/lightningrl_build.py's
    generator: 4 chat calls of ~500 prompt tokens each, tools, a reward, the runner's span).
    Not timed; kept in ``--dir`` when given, and reused if it already holds spans.
-2. Times, each ``--repeat`` times on a fresh read-only connection (``collector.api.sql_connection``,
+2. Times, each ``--repeat`` times on a fresh read-only connection (``store.sql.sql_connection``,
    what the UI uses), the functions behind ``/api/ui/rollouts`` (a page of 100, unfiltered and
    filtered by task), ``/api/ui/facets`` and ``/api/ui/rollouts/<id>``, and the baseline: the
    same answers written the obvious way, one query over the views each (``rollouts`` joined with
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightningrl_build import generate  # noqa: E402  (the 1M-span generator of the builder's benchmark)
 
-from lightspan.collector import api  # noqa: E402
+from lightspan.store.sql import sql_connection  # noqa: E402
 from lightspan.dashboards import ui  # noqa: E402
 
 _BASE_ROLLOUTS = """
@@ -63,7 +63,7 @@ def baseline_rollout(con, key):
 def timed(data_dir: Path, fn, repeat: int) -> dict:
     times = []
     for _ in range(repeat):
-        con = api.sql_connection(data_dir)
+        con = sql_connection(data_dir)
         start = time.perf_counter()
         fn(con)
         times.append(time.perf_counter() - start)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         spans = generate(data_dir, args.rollouts)
         print(f"generated {spans:,} spans in {time.perf_counter() - start:.1f} s ({data_dir})")
-    con = api.sql_connection(data_dir)
+    con = sql_connection(data_dir)
     spans, = con.execute("SELECT count(*) FROM spans").fetchone()
     key, task = con.execute("SELECT rollout_id, task_id FROM spans WHERE rollout_id IS NOT NULL "
                             "ORDER BY rollout_id DESC LIMIT 1").fetchone()

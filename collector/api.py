@@ -33,17 +33,12 @@ DuckDB builds each block of rows (2,048 at a time) outside its memory limit.
 
 from __future__ import annotations
 
-import base64
 import collections
-import contextlib
-import datetime as dt
-import decimal
 import json
 import math
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote
@@ -54,6 +49,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from lightspan import store
 from lightspan.collector.reward_integrity import reward_ids
 from lightspan.store.schema import REWARD_SCOPE
+from lightspan.store.sql import SQL_MEMORY_LIMIT, jsonable, sql_connection, time_limit
 from lightspan.tracing import semconv as sc
 
 REWARD_ID = "lightspan.reward.id"       # the idempotency key of a posted reward
@@ -275,71 +271,6 @@ class RewardBook:
 _READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 
-SQL_THREADS = 2
-SQL_MEMORY_LIMIT = 512 << 20
-
-
-def sql_connection(data_dir: str | Path, memory_limit: int = SQL_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
-    """A connection with the store's views whose external access is off and locked, with
-    ``memory_limit`` bytes for DuckDB's buffers and no spilling to disk."""
-    root = store.data_dir(data_dir)
-    root = root if store.is_remote(root) else root.resolve()
-    con = store.connect(root)          # the views read the data location's Parquet files...
-    try:
-        con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
-        con.execute(f"SET threads = {SQL_THREADS}")
-        # no spilling: DuckDB lets a connection read its temp directory (default ``.tmp`` in the
-        # working directory) whatever allowed_directories says, so a query could read files there
-        con.execute("SET temp_directory = ''")
-        allowed = ", ".join(store.quote(f"{root}/{table}/") for table in store.TABLES)
-        con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
-        con.execute("SET enable_external_access = false")
-        con.execute("SET lock_configuration = true")            # a query cannot SET it back
-    except BaseException:
-        con.close()
-        raise
-    return con
-
-
-class Deadline:
-    """A timer that interrupts ``con``'s running query after ``timeout_s`` once started."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, timeout_s: float):
-        self._con = con
-        self._fired = threading.Event()
-        self._timer = threading.Timer(timeout_s, self._interrupt)
-        self._timer.daemon = True
-
-    def _interrupt(self) -> None:
-        self._fired.set()
-        try:
-            self._con.interrupt()
-        except duckdb.Error:   # the query finished and the connection closed meanwhile
-            pass
-
-    def start(self) -> None:
-        self._timer.start()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def is_set(self) -> bool:
-        """Whether the time ran out (and the query was interrupted)."""
-        return self._fired.is_set()
-
-
-@contextlib.contextmanager
-def time_limit(con: duckdb.DuckDBPyConnection, timeout_s: float, *, start: bool = False):
-    """A :class:`Deadline` on ``con``, started now with ``start`` (else by ``.start()``), cancelled on exit."""
-    deadline = Deadline(con, timeout_s)
-    if start:
-        deadline.start()
-    try:
-        yield deadline
-    finally:
-        deadline.cancel()
-
-
 def run_sql(data_dir: str | Path, sql: str, *, timeout_s: float, max_rows: int, max_bytes: int = 16 << 20,
             memory_limit: int = SQL_MEMORY_LIMIT) -> dict:
     """Run one read-only statement; returns ``{"columns", "types", "rows", "row_count",
@@ -393,25 +324,3 @@ def _fetch(cursor, max_rows: int, max_bytes: int) -> tuple[list[list], bool]:
             rows.append(out)
         per_row = max(1, size // len(rows))
         batch = max(1, min(1024, (max_bytes - size) // per_row // 2))
-
-
-def jsonable(value):
-    """A DuckDB value as JSON: non-finite floats and bytes as strings, maps as objects."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, dt.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (decimal.Decimal, uuid.UUID)):
-        return str(value)
-    return str(value)
-

@@ -1,4 +1,4 @@
-"""The collector's configuration: one frozen dataclass, resolved by :mod:`lightspan.config`.
+"""The collector's configuration: one frozen dataclass, resolved by :mod:`lightspan.core.config`.
 
 Build it with ``resolve(CollectorConfig, section="collector", file=..., cli=...)``; every field
 is also ``LIGHTSPAN_COLLECTOR_<FIELD>`` in the environment (``data_dir`` also answers to
@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from lightspan.collector.jsonlog import FORMATS
-from lightspan.config import ConfigError, is_loopback, option
+from lightspan.core.config import ConfigError, is_loopback, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, WAL_DIR, is_remote
 
 SECTION = "collector"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from lightspan import http
+from lightspan.core import web
 from lightspan.collector.outcomes import CollectorError, Outcome, retry_info
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def bracket(host: str) -> str:
 class GrpcReceiver:
     """The gRPC server of one collector run: ``bind()`` (fails fast), ``start()``, ``stop()``."""
 
-    def __init__(self, collector: "Collector", budget: http.ByteBudget):
+    def __init__(self, collector: "Collector", budget: web.ByteBudget):
         self.collector, self.budget = collector, budget
         self.port: int | None = None
         cfg = collector.config
@@ -88,7 +88,7 @@ class GrpcReceiver:
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             metadata = dict(context.invocation_metadata())
-            if not http.bearer(metadata.get("authorization"), collector.config.auth_token):
+            if not web.bearer(metadata.get("authorization"), collector.config.auth_token):
                 result = collector.refuse(Outcome.UNAUTHENTICATED, "missing or wrong bearer token: send metadata "
                                           "'authorization: Bearer <collector.auth_token>'", signal)
             elif not self.budget.take(len(request)):

@@ -1,4 +1,4 @@
-"""The collector's HTTP transports: OTLP/HTTP (:4318) and the API (:8321), on :mod:`lightspan.http`.
+"""The collector's HTTP transports: OTLP/HTTP (:4318) and the API (:8321), on :mod:`lightspan.core.web`.
 
 Both are thin: they frame bytes, check the bearer token and the cross-site rules, and map the
 collector's :class:`~lightspan.collector.outcomes.ExportResult` to a status with ``status_for``.
@@ -15,7 +15,7 @@ API: ``GET /healthz`` (open even with a token), ``GET /metrics``, ``POST /v1/flu
 ``POST /v1/rewards`` (late rewards, see :mod:`lightspan.collector.api`), ``POST
 /v1/rollouts/ID/events`` (Agent Lightning's reward events), ``POST /v1/sql``
 ``{"sql": ...}`` and ``GET /v1/sql?q=...`` (read-only SQL), and the GET routes the composing
-process added (:mod:`lightspan.collector.routes`: the web UI). API answers are JSON; errors are
+process added (:mod:`lightspan.core.web.routes`: the web UI). API answers are JSON; errors are
 ``{"error": message}`` with 400 for the client's mistakes and never 500 for its data. Queries
 (SQL and the web UI's) run ``sql_max_concurrent`` at a time; a few more wait for a turn, the rest
 get 429 + Retry-After. Reward posts have turns of their own, so no flood of queries refuses a
@@ -35,10 +35,11 @@ from urllib.parse import parse_qs
 
 from google.protobuf import json_format
 
-from lightspan import http
-from lightspan.collector import api, routes, sqlpool
+from lightspan.core import web
+from lightspan.collector import api, sqlpool
+from lightspan.core.web import routes
 from lightspan.collector.outcomes import BY_HTTP_STATUS, CollectorError, ExportResult, Outcome
-from lightspan.config import redact
+from lightspan.core.config import redact
 
 if TYPE_CHECKING:
     from lightspan.collector.server import Collector
@@ -75,11 +76,11 @@ def bind_error(what: str, host: str, port: int, field: str) -> str:
             f"to a free port, or 0 for any")
 
 
-def _server(handler, collector: "Collector", port: int, what: str, field: str, tls) -> http.Server:
+def _server(handler, collector: "Collector", port: int, what: str, field: str, tls) -> web.Server:
     cfg = collector.config
-    limits = http.Limits(max_connections=cfg.max_connections, max_inflight_bytes=cfg.max_inflight_bytes,
+    limits = web.Limits(max_connections=cfg.max_connections, max_inflight_bytes=cfg.max_inflight_bytes,
                          read_timeout_s=cfg.read_timeout_s, retry_after_s=cfg.retry_after_s)
-    server = http.Server(handler, cfg.host, port, limits=limits, budget=collector.budget, tls=tls,
+    server = web.Server(handler, cfg.host, port, limits=limits, budget=collector.budget, tls=tls,
                          name=f"lightspan-collector-{field.removesuffix('_port')}")
     try:
         server.bind()
@@ -88,11 +89,11 @@ def _server(handler, collector: "Collector", port: int, what: str, field: str, t
     return server
 
 
-def otlp_server(collector: "Collector", tls) -> http.Server:
+def otlp_server(collector: "Collector", tls) -> web.Server:
     return _server(OTLP(collector).handle, collector, collector.config.http_port, "OTLP/HTTP", "http_port", tls)
 
 
-def api_server(collector: "Collector", tls) -> http.Server:
+def api_server(collector: "Collector", tls) -> web.Server:
     return _server(API(collector).handle, collector, collector.config.api_port, "API", "api_port", tls)
 
 
@@ -100,11 +101,11 @@ class _Transport:
     def __init__(self, collector: "Collector"):
         self.collector = collector
         self.config = collector.config
-        self.guard = http.Guard(self.config.allowed_hosts, "collector.allowed_hosts")
+        self.guard = web.Guard(self.config.allowed_hosts, "collector.allowed_hosts")
 
-    def check_auth(self, request: http.Request) -> ExportResult | None:
+    def check_auth(self, request: web.Request) -> ExportResult | None:
         """A refusal when the bearer token is required and missing or wrong."""
-        if http.bearer(request.headers.get("authorization"), self.config.auth_token):
+        if web.bearer(request.headers.get("authorization"), self.config.auth_token):
             return None
         return self.collector.refuse(Outcome.UNAUTHENTICATED, "missing or wrong bearer token: send "
                                      "'authorization: Bearer <collector.auth_token>'")
@@ -121,13 +122,13 @@ class _Transport:
 class OTLP(_Transport):
     """``POST /v1/traces`` and ``POST /v1/logs``: OTLP/HTTP, protobuf or JSON, optionally gzip/deflate."""
 
-    def handle(self, request: http.Request) -> http.Response:
+    def handle(self, request: web.Request) -> web.Response:
         signal = _SIGNALS.get(request.path)
         if signal is None:
-            return http.Response(404, "text/plain; charset=utf-8",
+            return web.Response(404, "text/plain; charset=utf-8",
                                  f"not found: POST OTLP to {TRACES_PATH} or {LOGS_PATH}\n".encode())
         if request.method != "POST":
-            return http.Response(405, "text/plain; charset=utf-8",
+            return web.Response(405, "text/plain; charset=utf-8",
                                  f"method {request.method} not allowed on {request.path}; use POST\n".encode(),
                                  {"Allow": "POST"})
         encoding = {PROTOBUF: "protobuf", JSON: "json"}.get(request.content_type())
@@ -140,12 +141,12 @@ class OTLP(_Transport):
                                                f"send {PROTOBUF} or {JSON}")
             if result is None:
                 result = self._export(request, encoding, signal)
-        except http.HTTPError as exc:
+        except web.HTTPError as exc:
             close = exc.close
             result = self.collector.refuse(BY_HTTP_STATUS.get(exc.status, Outcome.INVALID), exc.message, signal)
         return self.answer(result, encoding or "json", close)
 
-    def _export(self, request: http.Request, encoding: str, signal: str) -> ExportResult:
+    def _export(self, request: web.Request, encoding: str, signal: str) -> ExportResult:
         cap = self.config.max_http_body_bytes
         body = request.body(cap)
         content_encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -165,7 +166,7 @@ class OTLP(_Transport):
                                              f"max_json_bytes={self.config.max_json_bytes}")
         return self.collector.export(body, encoding, signal)
 
-    def answer(self, result: ExportResult, encoding: str, close: bool) -> http.Response:
+    def answer(self, result: ExportResult, encoding: str, close: bool) -> web.Response:
         message = result.response() if result.status.http_status == 200 else result.rpc_status(self.config.retry_after_s)
         if encoding == "json":
             body, content_type = json_format.MessageToJson(message, indent=None).encode(), JSON
@@ -174,7 +175,7 @@ class OTLP(_Transport):
         headers = self.retry_headers(result)
         if close:
             headers["Connection"] = "close"
-        return http.Response(result.status.http_status, content_type, body, headers)
+        return web.Response(result.status.http_status, content_type, body, headers)
 
 
 def _decompress(body: bytes, wbits: int, cap: int) -> bytes | tuple[Outcome, str]:
@@ -197,28 +198,28 @@ class API(_Transport):
         super().__init__(collector)
         cfg = self.config
         # reward posts never wait behind queries: a flood of GET /v1/sql must not refuse a score
-        self.queries = http.Turns(cfg.sql_max_concurrent, _QUERIES_WAITING, cfg.sql_timeout_s, cfg.retry_after_s,
+        self.queries = web.Turns(cfg.sql_max_concurrent, _QUERIES_WAITING, cfg.sql_timeout_s, cfg.retry_after_s,
                                   f"queries (sql_max_concurrent={cfg.sql_max_concurrent})")
-        self.reward_posts = http.Turns(1, _REWARDS_WAITING, cfg.sql_timeout_s, cfg.retry_after_s, "reward posts")
+        self.reward_posts = web.Turns(1, _REWARDS_WAITING, cfg.sql_timeout_s, cfg.retry_after_s, "reward posts")
 
-    def handle(self, request: http.Request) -> http.Response:
+    def handle(self, request: web.Request) -> web.Response:
         try:
             return self._route(request)
-        except http.HTTPError as exc:
+        except web.HTTPError as exc:
             if exc.status in _COUNTED:     # the server's own refusals (401s are counted where they happen)
                 self.collector.metrics.refused(BY_HTTP_STATUS[exc.status])
             raise
 
-    def _route(self, request: http.Request) -> http.Response:
+    def _route(self, request: web.Request) -> web.Response:
         self.guard.check(request)
         path, method = request.path, request.method
         if path == "/healthz" and method in ("GET", "HEAD"):   # open without the token: probes call it
             ok = self.collector.running
-            return http.json_response(200 if ok else 503, {"status": "ok" if ok else "stopping"})
+            return web.json_response(200 if ok else 503, {"status": "ok" if ok else "stopping"})
         added = routes.find(self.collector.routes, path)
         if added is not None:
             if method not in ("GET", "HEAD"):
-                raise http.HTTPError(405, f"use GET on {path}", {"Allow": "GET"})
+                raise web.HTTPError(405, f"use GET on {path}", {"Allow": "GET"})
             if not added.open:
                 self.authorize(request)
                 with self.queries.take():
@@ -229,17 +230,17 @@ class API(_Transport):
         rollout_id = api.event_rollout(request.raw_path.decode("latin-1"))
         if rollout_id is not None:          # Agent Lightning's AGL_EVENT_URL
             if method != "POST":
-                raise http.HTTPError(405, f"use POST on {path}", {"Allow": "POST"})
+                raise web.HTTPError(405, f"use POST on {path}", {"Allow": "POST"})
             self.authorize(request)
             return self.event(rollout_id, request.json(self.config.max_json_bytes))
         allowed = [m for m, paths in (("GET", _GET), ("POST", _POST)) if path in paths]
         if not allowed:
-            raise http.HTTPError(404, f"not found: {self.routes_text()}")
+            raise web.HTTPError(404, f"not found: {self.routes_text()}")
         if method not in allowed and not (method == "HEAD" and "GET" in allowed):
-            raise http.HTTPError(405, f"use {' or '.join(allowed)} on {path}", {"Allow": ", ".join(allowed)})
+            raise web.HTTPError(405, f"use {' or '.join(allowed)} on {path}", {"Allow": ", ".join(allowed)})
         self.authorize(request)
         if path == "/metrics":
-            return http.Response(200, "text/plain; version=0.0.4; charset=utf-8",
+            return web.Response(200, "text/plain; version=0.0.4; charset=utf-8",
                                  self.collector.render_metrics().encode())
         if path == "/v1/flush":
             return self.flush()
@@ -255,64 +256,64 @@ class API(_Transport):
         added = [f"GET {r.prefix or r.paths[0]}" for r in self.collector.routes]
         return ", ".join([_API_ROUTES, *added])
 
-    def authorize(self, request: http.Request) -> None:
+    def authorize(self, request: web.Request) -> None:
         refused = self.check_auth(request)
         if refused is not None:
-            raise http.HTTPError(401, refused.message, self.retry_headers(refused))
+            raise web.HTTPError(401, refused.message, self.retry_headers(refused))
 
-    def flush(self) -> http.Response:
+    def flush(self) -> web.Response:
         try:
             flushed = self.collector.flush_counts()
         except Exception as exc:  # our own failure (disk), not the client's data: retry later
             log.exception("flush requested over the API failed")
-            return http.json_response(503, {"error": f"flush failed: {exc}"},
+            return web.json_response(503, {"error": f"flush failed: {exc}"},
                                       {"Retry-After": str(self.config.retry_after_s)})
-        return http.json_response(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
+        return web.json_response(200, {"flushed_spans": flushed["spans"], "flushed_log_records": flushed["logs"]})
 
-    def event(self, rollout_id: str, doc) -> http.Response:
+    def event(self, rollout_id: str, doc) -> web.Response:
         """``POST /v1/rollouts/ID/events``: an Agent Lightning reward event is a reward of rollout ID."""
         try:
             reward = api.event_reward(rollout_id, doc, time.time_ns())
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
-            return http.json_response(400, {"error": str(exc)})
+            return web.json_response(400, {"error": str(exc)})
         if reward is None:
             self.collector.metrics.add("events_ignored_total")
-            return http.json_response(200, {"accepted": 0, "ignored": doc["event_type"]})
+            return web.json_response(200, {"accepted": 0, "ignored": doc["event_type"]})
         return self.rewards(reward)
 
-    def rewards(self, doc) -> http.Response:
+    def rewards(self, doc) -> web.Response:
         try:
             request, recorded = api.reward_request(doc, time.time_ns(), self.collector.reward_key)
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
-            return http.json_response(400, {"error": str(exc)})
+            return web.json_response(400, {"error": str(exc)})
         export = lambda req: self.collector.export(req.SerializeToString(), "protobuf", own=True)   # noqa: E731
         try:
             with self.reward_posts.take():   # one at a time (the re-post rule reads the store), never behind queries
                 result = self.collector.rewards.post(request, recorded, export)
         except api.Conflict as exc:
-            return http.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
+            return web.json_response(409, {"error": str(exc), "conflicts": exc.conflicts})
         except OSError as exc:   # the re-post rule reads the store: a bucket that does not answer
             log.warning("a reward post could not read the store: %s", exc)
-            return http.json_response(503, {"error": redact(f"the store cannot be reached: {exc}; retry later")},
+            return web.json_response(503, {"error": redact(f"the store cannot be reached: {exc}; retry later")},
                                       {"Retry-After": str(self.config.retry_after_s)})
         if result is not None and (result.outcome is not Outcome.OK or result.rejected):
             code = result.status.http_status if result.outcome is not Outcome.OK else 400
-            return http.json_response(code, {"error": result.message}, self.retry_headers(result))
+            return web.json_response(code, {"error": result.message}, self.retry_headers(result))
         stored = sum(r["status"] == "stored" for r in recorded)
         self.collector.metrics.add("rewards_accepted_total", stored)
-        return http.json_response(200, {"accepted": len(recorded), "stored": stored, "rewards": recorded})
+        return web.json_response(200, {"accepted": len(recorded), "stored": stored, "rewards": recorded})
 
-    def sql(self, sql) -> http.Response:
+    def sql(self, sql) -> web.Response:
         try:
             with self.queries.take():
                 answer = self.collector.queries.run(sql)
         except api.BadRequest as exc:
             self.collector.metrics.add("sql_errors_total")
-            return http.json_response(400, {"error": str(exc)})
+            return web.json_response(400, {"error": str(exc)})
         except sqlpool.Unreachable as exc:     # not the query's fault: retry once the bucket answers
             self.collector.metrics.add("sql_errors_total")
-            return http.json_response(503, {"error": str(exc)}, {"Retry-After": str(self.config.retry_after_s)})
+            return web.json_response(503, {"error": str(exc)}, {"Retry-After": str(self.config.retry_after_s)})
         self.collector.metrics.add("sql_queries_total")
-        return http.Response(200, JSON, json.dumps(answer, allow_nan=False).encode())
+        return web.Response(200, JSON, json.dumps(answer, allow_nan=False).encode())

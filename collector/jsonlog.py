@@ -25,7 +25,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from lightspan.config import redact_logs
+from lightspan.core.config import redact_logs
 
 FORMATS = ("json", "text")
 # attributes every LogRecord has: anything else on a record came from ``extra=``

@@ -50,7 +50,7 @@ _STATUS = {
     Outcome.TIMEOUT: Status(False, grpc.StatusCode.DEADLINE_EXCEEDED, 408),
     Outcome.FORBIDDEN: Status(False, grpc.StatusCode.PERMISSION_DENIED, 403),
 }
-# the HTTP statuses the shared server (lightspan.http) answers by itself, as outcomes
+# the HTTP statuses the shared server (lightspan.core.web) answers by itself, as outcomes
 BY_HTTP_STATUS = {400: Outcome.INVALID, 403: Outcome.FORBIDDEN, 408: Outcome.TIMEOUT, 411: Outcome.INVALID,
                   413: Outcome.TOO_LARGE, 415: Outcome.UNSUPPORTED, 429: Outcome.BUSY, 503: Outcome.BUSY}
 

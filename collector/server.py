@@ -15,7 +15,7 @@ is bounded, and past it exports are refused with a retryable status, never dropp
 
 This module is the lifecycle: ``start()`` binds every port (fail fast), replays the WAL, then
 serves; ``stop()`` stops the receivers, writes everything accepted to Parquet, then closes the
-API; a stopped collector may start again. The HTTP ports are :mod:`lightspan.http` servers; the
+API; a stopped collector may start again. The HTTP ports are :mod:`lightspan.core.web` servers; the
 request bytes they and gRPC hold share one budget (``max_inflight_bytes``).
 """
 
@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-from lightspan import http, store
+from lightspan import store
+from lightspan.core import web
 from lightspan.collector import httpd, jsonlog, reward_integrity, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
@@ -40,7 +41,7 @@ from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import check
 from lightspan.collector.otlp_parse import DecodeError
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, status_for
-from lightspan.collector.routes import Route
+from lightspan.core.web.routes import Route
 from lightspan.collector.writer import COMPACT_GRACE_S, LOGS_TAG, SIGNALS, Writer
 
 __all__ = ["Collector", "CollectorError", "ExportResult", "Outcome", "Status", "status_for", "serve",
@@ -54,7 +55,7 @@ class Collector:
 
     def __init__(self, config: CollectorConfig, routes: tuple[Route, ...] = ()):
         """``routes``: GET routes added to the API port by the process that composes the services
-        (the web UI, :mod:`lightspan.collector.routes`)."""
+        (the web UI, :mod:`lightspan.core.web.routes`)."""
         self.config = config
         self.routes = tuple(routes)
         self.data_dir = store.data_dir(config.data_dir)     # a Path, or an s3:// URL
@@ -68,15 +69,15 @@ class Collector:
 
     def _reset(self) -> None:
         self.writer = Writer(self.config, self.metrics)
-        self.budget = http.ByteBudget(self.config.max_inflight_bytes)   # both HTTP ports and gRPC
+        self.budget = web.ByteBudget(self.config.max_inflight_bytes)   # both HTTP ports and gRPC
         self.queries: sqlpool.QueryPool | None = None
         self._grpc: GrpcReceiver | None = None
-        self._http: http.Server | None = None
-        self._api: http.Server | None = None
+        self._http: web.Server | None = None
+        self._api: web.Server | None = None
         # OTLP/JSON bodies being decoded (which holds several times a body's size): at most
         # max_json_bytes of them at once, as when they were decoded one at a time, yet a small body
         # is decoded beside a big one instead of waiting for it
-        self.json_decoding = http.Allowance(self.config.max_json_bytes)
+        self.json_decoding = web.Allowance(self.config.max_json_bytes)
 
     # --- ports ---
     @property
@@ -127,7 +128,7 @@ class Collector:
             self._http.start()
             self._api.start()
             self._state = "running"
-        if self.config.auth_token and not self.config.tls_cert_file and not http.is_loopback(self.config.host):
+        if self.config.auth_token and not self.config.tls_cert_file and not web.is_loopback(self.config.host):
             log.warning("auth_token is set without TLS on %s: the token crosses the network in clear text",
                         self.config.host)
         return self

@@ -20,7 +20,7 @@ import threading
 
 from lightspan.collector import api
 from lightspan.collector.config import CollectorConfig
-from lightspan.config import redact
+from lightspan.core.config import redact
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import pyarrow.fs as pafs
 from lightspan import store
 from lightspan.collector import compact as compaction
 from lightspan.collector import dedup
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.store import objects
 from lightspan.store.files import EXPIRED_MARKER, live_names, remote_entries
 

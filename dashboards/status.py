@@ -16,7 +16,7 @@ from pathlib import Path
 import requests
 
 from lightspan import store
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "status"

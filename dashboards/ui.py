@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 import duckdb
 import numpy as np
 
-from lightspan.lightningrl.credit import rewards_per_call
+from lightspan.store.attribution import rewards_per_call
 from lightspan.store.views import NOT_CAPTURED_REASON, REWARD_ORDER
-from lightspan.config import parse_duration
+from lightspan.core.config import parse_duration
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
@@ -333,7 +333,7 @@ def rollout(con: duckdb.DuckDBPyConnection, key: str, decode: Decoder | None = N
     stored is a root). Each LLM call gets ``call_index`` (the builder's action order), its
     messages parsed, its completion tokens (decoded by ``decode`` when given) with their
     logprobs, ``matched_reward`` (the rewards credit assignment attributes to it,
-    :func:`lightspan.lightningrl.credit.rewards_per_call`) and its newest ``transition`` (credit,
+    :func:`lightspan.store.attribution.rewards_per_call`) and its newest ``transition`` (credit,
     advantage), if one was built for it.
     """
     if not key or len(key) > MAX_TEXT:

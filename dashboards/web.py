@@ -3,8 +3,8 @@
 :func:`routes` is what the composing process (``lightspan collector``) hands the collector: its API
 port then answers ``/`` and ``/ui/...`` with :func:`static` (open, like ``/healthz``: the files hold
 no data) and ``/api/ui/...`` with :func:`api` (behind the bearer token when one is set). Each answer
-is a :class:`~lightspan.collector.routes.Response`. Queries run on a
-fresh read-only connection from :func:`lightspan.collector.api.sql_connection` — the views
+is a :class:`~lightspan.core.web.routes.Response`. Queries run on a
+fresh read-only connection from :func:`lightspan.store.sql.sql_connection` — the views
 ``lightspan sql`` uses, with external access off — under the collector's ``sql_timeout_s``.
 """
 
@@ -25,9 +25,9 @@ from urllib.parse import parse_qs, unquote
 import duckdb
 
 from lightspan import store
-from lightspan.collector import api as collector_api
-from lightspan.collector.routes import CollectorState, Response, Route
-from lightspan.config import ConfigError, option, resolve
+from lightspan.core.web.routes import CollectorState, Response, Route
+from lightspan.store.sql import sql_connection, time_limit
+from lightspan.core.config import ConfigError, option, resolve
 from lightspan.dashboards import health, quality, ui
 
 log = logging.getLogger(__name__)
@@ -229,9 +229,9 @@ def _query(collector: CollectorState, fn):
     timeout_s = collector.sql_timeout_s
 
     def attempt():
-        con = collector_api.sql_connection(collector.data_dir)
+        con = sql_connection(collector.data_dir)
         try:
-            with collector_api.time_limit(con, timeout_s, start=True) as deadline:
+            with time_limit(con, timeout_s, start=True) as deadline:
                 try:
                     return fn(con)
                 except duckdb.Error:

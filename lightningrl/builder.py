@@ -121,7 +121,7 @@ import duckdb
 import pyarrow as pa
 
 from lightspan import store
-from lightspan.progress import progress
+from lightspan.core.progress import progress
 
 from . import selection
 from . import watermark as wm

@@ -1,7 +1,7 @@
 """The transition builder's config: section ``[transitions]``, env ``LIGHTSPAN_TRANSITIONS_<FIELD>``.
 
 Each field's ``help`` is its documentation and its ``--help``; bad values fail here, at
-config load, with the field and the fix named (``ConfigError``, lightspan/config.py).
+config load, with the field and the fix named (``ConfigError``, core/config.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.store.policies import POLICIES_ENV, TRANSITIONS_FIELDS, PolicyConfig, override
 from lightspan.store.policies import load as load_policies

@@ -43,7 +43,7 @@ from pathlib import Path
 import requests
 
 from lightspan import store
-from lightspan.config import ConfigError, option, parse_duration
+from lightspan.core.config import ConfigError, option, parse_duration
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan import store
-from lightspan.config import to_dict
+from lightspan.core.config import to_dict
 
 STATE_FILE = "lightningrl/state.json"
 MAX_SELECTIONS = 16

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightspan.config import ConfigError, add_arguments, cli_values, redact_logs, resolve
+from lightspan.core.config import ConfigError, add_arguments, cli_values, redact_logs, resolve
 
 
 def _load(path: str):

@@ -28,7 +28,7 @@ import tempfile
 import typing
 from pathlib import Path
 
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.experiment import ExperimentConfig, loop
 from lightspan.runs import lightspan, write_jsonl
 

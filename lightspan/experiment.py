@@ -47,7 +47,7 @@ import requests
 
 from lightspan import inference
 from lightspan.inference import LORA_RANKS
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import load_tasks
 from lightspan.runs import (

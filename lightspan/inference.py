@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.store.policies import POLICIES_ENV
 from lightspan.store.policies import load as load_policies
 

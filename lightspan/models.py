@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from lightspan.progress import progress
+from lightspan.core.progress import progress
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import requests
 
 from lightspan import inference, store
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 
 RUN_MARKER = ".lightspan-run"
 """Written into a data directory that a demo or experiment made: only such a directory is wiped."""

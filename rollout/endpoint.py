@@ -13,7 +13,7 @@ import http.client
 import socket
 from urllib.parse import urlsplit
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # + empty SETTINGS
 _GRPC_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"

@@ -39,7 +39,7 @@ rollout's turns share one prefix cache, and no call goes to a replica the traine
 out of rotation (:mod:`lightspan.rollout.replicas`); a replica that refuses or resets a connection
 is down for ``replica_down_s`` and its rollouts' calls go to the next live replica.
 
-Bounds (:mod:`lightspan.http`): connections, read time, request bytes; a call's body is read in
+Bounds (:mod:`lightspan.core.web`): connections, read time, request bytes; a call's body is read in
 full before it takes one of ``max_in_flight`` slots (past them, 429), so a client that never sends
 its body holds no slot. Cross-site use is refused (Host allowlist, Origin, JSON bodies). A
 non-loopback bind needs ``admin_token`` (compared in constant time) unless
@@ -61,8 +61,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lightspan import http
-from lightspan.config import ConfigError, redact
+from lightspan.core import web
+from lightspan.core.config import ConfigError, redact
 from lightspan.rollout import protocols
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.gateway_config import GatewayConfig
@@ -84,9 +84,9 @@ _ADMIN_BODY_BYTES = 64 << 10
 
 
 def _error(api: str | None, code: int, message: str, headers: dict | None = None,
-           param: str | None = None) -> http.Response:
+           param: str | None = None) -> web.Response:
     """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
-    return http.Response(code, "application/json", error_body(api, code, message, param), dict(headers or {}))
+    return web.Response(code, "application/json", error_body(api, code, message, param), dict(headers or {}))
 
 
 class Gateway:
@@ -100,9 +100,9 @@ class Gateway:
         self.admission = Admission(cfg.max_in_flight)
         self.version = PolicyVersion(cfg.data_dir)
         self.replicas = Upstreams(cfg.upstreams, cfg.data_dir, down_s=cfg.replica_down_s) if cfg.upstreams else None
-        self.guard = http.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
+        self.guard = web.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
-        self._server: http.Server | None = None
+        self._server: web.Server | None = None
 
     @property
     def url(self) -> str:
@@ -111,10 +111,10 @@ class Gateway:
     def start(self) -> str:
         if self._server is not None:
             return self.url
-        limits = http.Limits(max_connections=self.cfg.max_connections, read_timeout_s=self.cfg.read_timeout_s,
+        limits = web.Limits(max_connections=self.cfg.max_connections, read_timeout_s=self.cfg.read_timeout_s,
                              retry_after_s=self.cfg.retry_after_s,
                              max_inflight_bytes=max(256 << 20, 4 * self.cfg.max_body_bytes))
-        self._server = http.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits, name="lightspan-gateway")
+        self._server = web.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits, name="lightspan-gateway")
         self._server.start()
         log.info("gateway on %s -> %s", self.url, redact(", ".join(self.cfg.upstreams) or self.upstream))
         return self.url
@@ -131,53 +131,53 @@ class Gateway:
             return {"paused": a.paused, "in_flight": a.in_flight, "model_version": self.version.get(), **a.counts}
 
     # --- routes ------------------------------------------------------------------------------
-    def handle(self, request: http.Request) -> http.Response | None:
+    def handle(self, request: web.Request) -> web.Response | None:
         try:
             return self._route(request)
-        except http.HTTPError as exc:
+        except web.HTTPError as exc:
             headers = {**exc.headers, **({"Connection": "close"} if exc.close else {})}
             return _error(protocols.api_of(request.raw_path.decode("latin-1")), exc.status, exc.message, headers)
 
-    def _route(self, request: http.Request) -> http.Response | None:
+    def _route(self, request: web.Request) -> web.Response | None:
         self.guard.check(request)
         path, method = request.path, request.method
         if path == "/health" and method == "GET":
-            return http.json_response(200, {"status": "ok", "paused": self.admission.paused})
+            return web.json_response(200, {"status": "ok", "paused": self.admission.paused})
         if path.startswith("/admin/"):
             return self._admin(request)
         raw = request.raw_path.decode("latin-1")
         why = protocols.unsafe(raw)
         if why:
-            raise http.HTTPError(400, why)
+            raise web.HTTPError(400, why)
         routed = route(raw + (f"?{request.query}" if request.query else ""))
         if routed is None:
-            raise http.HTTPError(404, f"no route {path}; the OpenAI API is under /v1")
+            raise web.HTTPError(404, f"no route {path}; the OpenAI API is under /v1")
         path_attrs, upstream = routed
         endpoint = protocols.endpoint(upstream)
         if endpoint is None:
-            raise http.HTTPError(404, f"{upstream.split('?')[0]} is not served through the gateway; it serves "
+            raise web.HTTPError(404, f"{upstream.split('?')[0]} is not served through the gateway; it serves "
                                       f"{', '.join(sorted(ENDPOINTS))}")
         if method not in endpoint.methods:
-            raise http.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
+            raise web.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
         ids = call_attributes(path_attrs, request.header_list)   # a repeated x-lightspan-* header: its first value
         if endpoint.api is None:
             return self._passthrough(request, upstream, ids)
         return self._generate(request, endpoint.api, upstream, ids)
 
-    def _admin(self, request: http.Request) -> http.Response:
-        if not http.bearer(request.headers.get("authorization"), self.cfg.admin_token):
-            raise http.HTTPError(401, "admin routes need 'Authorization: Bearer <admin_token>'")
+    def _admin(self, request: web.Request) -> web.Response:
+        if not web.bearer(request.headers.get("authorization"), self.cfg.admin_token):
+            raise web.HTTPError(401, "admin routes need 'Authorization: Bearer <admin_token>'")
         action = {("GET", "/admin/status"): None, ("POST", "/admin/pause"): self._pause,
                   ("POST", "/admin/resume"): self._resume}
         if (request.method, request.path) not in action:
             if request.path in ("/admin/status", "/admin/pause", "/admin/resume"):
-                raise http.HTTPError(405, f"method {request.method} not allowed on {request.path}")
-            raise http.HTTPError(404, "admin routes: GET /admin/status, POST /admin/pause, POST /admin/resume")
+                raise web.HTTPError(405, f"method {request.method} not allowed on {request.path}")
+            raise web.HTTPError(404, "admin routes: GET /admin/status, POST /admin/pause, POST /admin/resume")
         run = action[(request.method, request.path)]
-        return http.json_response(200, self.status()) if run is None else run(request)
+        return web.json_response(200, self.status()) if run is None else run(request)
 
-    def _pause(self, request: http.Request) -> http.Response:
+    def _pause(self, request: web.Request) -> web.Response:
         request.body(_ADMIN_BODY_BYTES)   # read and ignored
         value = (parse_qs(request.query).get("timeout_s") or [self.cfg.drain_timeout_s])[0]
         try:
@@ -185,29 +185,29 @@ class Gateway:
             if not (math.isfinite(timeout) and timeout >= 0):
                 raise ValueError(value)
         except ValueError:
-            raise http.HTTPError(400, f"timeout_s={str(value)[:40]!r} is not a number of seconds >= 0") from None
+            raise web.HTTPError(400, f"timeout_s={str(value)[:40]!r} is not a number of seconds >= 0") from None
         drained = self.admission.pause(timeout)
-        return http.json_response(200 if drained else 504, {"drained": drained, **self.status()})
+        return web.json_response(200 if drained else 504, {"drained": drained, **self.status()})
 
-    def _resume(self, request: http.Request) -> http.Response:
+    def _resume(self, request: web.Request) -> web.Response:
         version = None
         if request.content_length:
             doc = request.json(_ADMIN_BODY_BYTES)
             if doc is not None and not isinstance(doc, dict):
-                raise http.HTTPError(400, 'body must be JSON like {"model_version": 3}')
+                raise web.HTTPError(400, 'body must be JSON like {"model_version": 3}')
             version = (doc or {}).get("model_version")
             if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                         or not 0 <= version < 1 << 63):
-                raise http.HTTPError(400, f"model_version must be a whole number >= 0, got {str(version)[:40]}")
+                raise web.HTTPError(400, f"model_version must be a whole number >= 0, got {str(version)[:40]}")
         else:
             request.body(0)
         if version is not None:
             self.version.override = version
         self.admission.resume()
-        return http.json_response(200, self.status())
+        return web.json_response(200, self.status())
 
     # --- upstream ----------------------------------------------------------------------------
-    def _upstream_headers(self, request: http.Request) -> dict[str, str]:
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: request.headers[k] for k in _FORWARDED_HEADERS if request.headers.get(k)}
         if "authorization" not in headers and request.headers.get("x-api-key"):
             # an Anthropic client's key, as vLLM's --api-key check reads keys (a bearer token)
@@ -234,7 +234,7 @@ class Gateway:
                     raise
                 self.admission.count("replica_failovers")
 
-    def _passthrough(self, request: http.Request, upstream: str, ids: dict) -> http.Response:
+    def _passthrough(self, request: web.Request, upstream: str, ids: dict) -> web.Response:
         """A path of the table that is not captured, untouched and untraced (``GET /v1/models``, …);
         with replicas, a rollout's calls still go to its replica."""
         body = request.body(self.cfg.max_body_bytes)
@@ -243,21 +243,21 @@ class Gateway:
             resp = self._send(request.method, upstream, self._upstream_headers(request), body, key=key)
         except requests.RequestException as e:
             return _error(protocols.api_of(upstream), 502, f"upstream unreachable: {e}")
-        return http.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
+        return web.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------
-    def _generate(self, request: http.Request, api: str, upstream: str, ids: dict) -> http.Response | None:
+    def _generate(self, request: web.Request, api: str, upstream: str, ids: dict) -> web.Response | None:
         # the whole body first: a client that never sends it holds no slot
         asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
-            raise http.HTTPError(400, "request body is not a JSON object")
+            raise web.HTTPError(400, "request body is not a JSON object")
         bad = invalid(api, asked)       # a field the gateway reads, of the wrong type: the caller's error
         if bad is not None:
             self.admission.count("refused_invalid")
             return _error(api, 400, bad[1], param=bad[0])
         refused = self.admission.enter()
         if refused:
-            raise http.HTTPError(429, "paused for a weight update" if refused == "paused"
+            raise web.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
             asked = self._routed(asked, ids.get(semconv.GEN_AI_AGENT_NAME))
@@ -265,7 +265,7 @@ class Gateway:
         finally:
             self.admission.leave()
 
-    def _traced(self, request: http.Request, ex: Exchange, ids: dict) -> http.Response | None:
+    def _traced(self, request: web.Request, ex: Exchange, ids: dict) -> web.Response | None:
         model = str(ex.asked.get("model", ""))
         op = urls.OPERATION[ex.api]
         attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
@@ -291,7 +291,7 @@ class Gateway:
                 return _error(ex.api, 502, f"upstream unreachable: {e}")
             if resp.status_code != 200:
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
-                return http.Response(resp.status_code,
+                return web.Response(resp.status_code,
                                      *ex.error(resp.headers.get("content-type", "application/json"), resp.content))
             # a stream asked for and a JSON body answered (an upstream that does not stream this
             # request): the body is the answer, not an event stream that never ends
@@ -300,7 +300,7 @@ class Gateway:
                     tail = ex.end()
             else:
                 try:
-                    answer = http.Response(200, "application/json", dumps(ex.answer(loads(resp.content))).encode())
+                    answer = web.Response(200, "application/json", dumps(ex.answer(loads(resp.content))).encode())
                 except (ValueError, TypeError, AttributeError, requests.RequestException) as e:
                     self._upstream_failed(span, f"upstream answer unreadable: {e}")
                     return _error(ex.api, 502, f"upstream answer unreadable: {e}")
@@ -328,17 +328,17 @@ class Gateway:
         try:
             model = served_model(self.cfg.policy_configs, agent, asked.get("model"))
         except ConfigError as e:      # two policies' agent_match patterns claim this agent
-            raise http.HTTPError(400, f"agent {agent!r} cannot be routed: {e}") from None
+            raise web.HTTPError(400, f"agent {agent!r} cannot be routed: {e}") from None
         return asked if model == asked.get("model") else {**asked, "model": model}
 
     def _upstream_failed(self, span, message: str, code: int | None = None) -> None:
         span.set_attribute(semconv.CAPTURE_STATUS, "upstream_error")
         if code is not None:
-            span.set_attribute("http.response.status_code", code)
+            span.set_attribute("web.response.status_code", code)
         span.set_status(Status(StatusCode.ERROR, message))
         self.admission.count("upstream_errors")
 
-    def _relay(self, request: http.Request, resp, ex: Exchange) -> bool:
+    def _relay(self, request: web.Request, resp, ex: Exchange) -> bool:
         """Relay vLLM's server-sent events as they arrive, as the caller's protocol has them; True
         when vLLM's stream ended cleanly (its last frames are left to the caller, after the span)."""
         request.start(200, {"Content-Type": resp.headers.get("content-type", "text/event-stream"),
@@ -347,7 +347,7 @@ class Gateway:
             for line in lines(resp.raw):
                 for frame in ex.frames(line):
                     request.write(frame)
-        except http.ClientGone:
+        except web.ClientGone:
             log.info("the caller left mid-stream")
             return False
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError) as e:

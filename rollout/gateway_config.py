@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lightspan.config import ConfigError, is_loopback, option
+from lightspan.core.config import ConfigError, is_loopback, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.store.policies import POLICIES_ENV
 from lightspan.store.policies import load as load_policies

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan import store
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.rollout.runner import RolloutConfig, load_tasks, rollout_env
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "rollout-job.yaml"  # package data: in the wheel too

@@ -64,9 +64,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 from lightspan import store
-from lightspan.config import ConfigError, option
+from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
-from lightspan.progress import progress
+from lightspan.core.progress import progress
 from lightspan.rollout import endpoint
 from lightspan.rollout.outcomes import Outcome, capture_summary, delivery_summary, read_report, record_outcome
 from lightspan.rollout.spool import Shipper

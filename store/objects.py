@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from lightspan.config import redact
+from lightspan.core.config import redact
 from lightspan.store.layout import REMOTE_SCHEME, is_remote
 
 __all__ = ["REMOTE_SCHEME", "is_remote", "Entry", "endpoint", "filesystem", "path_of", "url_of", "join", "list_files",
@@ -111,7 +111,7 @@ def join(url: str, *parts: str) -> str:
 
 
 def _where() -> str:
-    """The endpoint, for a message: without its credentials (lightspan.config.redact), and saying
+    """The endpoint, for a message: without its credentials (lightspan.core.config.redact), and saying
     that credentials in its URL are not read."""
     url = endpoint()
     if not url:

@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightspan.config import ConfigError, from_table, option
+from lightspan.core.config import ConfigError, from_table, option
 
 SECTION = "policies"
 POLICIES_ENV = "LIGHTSPAN_POLICIES"

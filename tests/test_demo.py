@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightspan import demo
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.experiment import ExperimentConfig, agent_command
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from lightspan import cli
-from lightspan.config import ConfigError, env_name, resolve
+from lightspan.core.config import ConfigError, env_name, resolve
 from lightspan.rollout import k8s
 from lightspan.rollout.runner import RolloutConfig, load_tasks
 

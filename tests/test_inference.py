@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from lightspan import inference, models
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from tests.conftest import ARTIFACTS, free_port
 
 TOOLS = [{"type": "function", "function": {

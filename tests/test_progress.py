@@ -1,6 +1,6 @@
 """Progress bars: shown on a terminal or when forced, a do-nothing bar otherwise."""
 
-from lightspan import progress as p
+from lightspan.core import progress as p
 
 
 def test_forced_on_the_bar_renders_its_count_and_status(monkeypatch, capsys):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.runs import RUN_MARKER, fresh_data_dir
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lightspan.config import to_dict
+from lightspan.core.config import to_dict
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The trainer's one config dataclass: each field's help is its documentation and its ``--help``.
 
-Resolved by :func:`lightspan.config.resolve` (defaults < TOML ``[trainer]`` < environment <
+Resolved by :func:`lightspan.core.config.resolve` (defaults < TOML ``[trainer]`` < environment <
 command line) and written as ``trainer_config.json`` into every checkpoint.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightspan.config import ConfigError, option, parse_duration
+from lightspan.core.config import ConfigError, option, parse_duration
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.store.policies import POLICIES_ENV, TRAINER_FIELDS, PolicyConfig, override
 from lightspan.store.policies import load as load_policies

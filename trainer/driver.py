@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from lightspan.config import ConfigError, parse_duration
-from lightspan.progress import progress
+from lightspan.core.config import ConfigError, parse_duration
+from lightspan.core.progress import progress
 from lightspan.trainer import distributed as dist
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer

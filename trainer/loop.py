@@ -55,7 +55,7 @@ import pyarrow as pa
 import torch
 
 from lightspan import store
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.trainer import checkpoints as ckpt
 from lightspan.trainer import distributed as dist
 from lightspan.trainer.batches import Batch, Cursor, next_batch

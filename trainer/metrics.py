@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 
-from lightspan import http
+from lightspan.core import web
 
 log = logging.getLogger(__name__)
 
@@ -158,20 +158,20 @@ def render(parts: list[tuple[str, TrainerMetrics]]) -> str:
 
 
 class MetricsServer:
-    """``GET /metrics`` over HTTP (:mod:`lightspan.http`: bounded connections and read time) from a
+    """``GET /metrics`` over HTTP (:mod:`lightspan.core.web`: bounded connections and read time) from a
     daemon thread; ``stop`` is idempotent. The page is read-only and Prometheus scrapes it by
     whatever name or address it was given, so any ``Host`` is answered."""
 
     def __init__(self, metrics: TrainerMetrics, host: str, port: int):
-        def handle(request: http.Request) -> http.Response:
+        def handle(request: web.Request) -> web.Response:
             if request.path != "/metrics":
-                return http.Response(404, "text/plain; charset=utf-8", b"only /metrics is served here\n")
+                return web.Response(404, "text/plain; charset=utf-8", b"only /metrics is served here\n")
             if request.method not in ("GET", "HEAD"):
-                return http.Response(405, "text/plain; charset=utf-8", b"use GET /metrics\n", {"Allow": "GET"})
-            return http.Response(200, CONTENT_TYPE, metrics.render().encode())
+                return web.Response(405, "text/plain; charset=utf-8", b"use GET /metrics\n", {"Allow": "GET"})
+            return web.Response(200, CONTENT_TYPE, metrics.render().encode())
 
-        limits = http.Limits(max_connections=64, max_inflight_bytes=1 << 20)
-        self._server = http.Server(handle, host, port, limits=limits, name="trainer-metrics")
+        limits = web.Limits(max_connections=64, max_inflight_bytes=1 << 20)
+        self._server = web.Server(handle, host, port, limits=limits, name="trainer-metrics")
         self.host, self.port = host, self._server.start()
         log.info("serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
 
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.server import Collector
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.tracing import semconv as sc
 from tests.attacks.conftest import PeakRSS, raw_request, status_of
 from tests.collector.helpers import api_url, config, grpc_call, query, raw_rows, traces_url

@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.rollout.gateway import GatewayConfig
 from lightspan.rollout.protocols import ENDPOINTS
 from tests.attacks.conftest import CHAT, Upstream, port_of, raw_request, status_of

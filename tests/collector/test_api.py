@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from lightspan.collector import api
+from lightspan.store.sql import sql_connection
 from lightspan.collector.server import Collector
 from tests.collector.helpers import api_url, config, grpc_exporter, make_spans, query, raw_rows
 
@@ -179,7 +180,7 @@ def test_sql_endpoint_refuses_files_outside_the_store(collector_factory, data_di
     inside = sql(collector, f"SELECT count(*) FROM read_parquet('{data_dir}/spans/**/*.parquet')")
     assert inside.json()["rows"] == [[3]]                     # the store's own files stay readable
     # the connection itself refuses what the endpoint's read-only check would catch first
-    con = api.sql_connection(data_dir)
+    con = sql_connection(data_dir)
     try:
         assert con.execute("SELECT count(*) FROM spans").fetchall() == [(3,)]
         for statement in (f"COPY (SELECT 1) TO '{tmp_path}/out.csv'", f"ATTACH '{tmp_path}/other.db'",

@@ -13,7 +13,7 @@ import requests
 from lightspan.collector import jsonlog
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.server import EXPORT_METHOD
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from tests.collector.helpers import make_spans, query, request_bytes, wait_for
 from tests.collector.process import CollectorProcess
 

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.server import EXPORT_METHOD, LOGS_EXPORT_METHOD
-from lightspan.config import ConfigError, resolve
+from lightspan.core.config import ConfigError, resolve
 from tests.collector.helpers import api_url, grpc_call, grpc_exporter, http_exporter, make_spans, query, request_bytes
 
 TOKEN = "0123456789abcdef-token"

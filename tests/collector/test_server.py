@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.server import Collector, CollectorError, Outcome, status_for
 from lightspan.collector.wal import WAL
-from lightspan.config import ConfigError, resolve
+from lightspan.core.config import ConfigError, resolve
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import (agent_run, api_url, build_provider, config, grpc_call,
                                     grpc_exporter, http_exporter, make_spans, query, raw_rows, request_bytes,

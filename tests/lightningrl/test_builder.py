@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightspan import store
-from lightspan.config import ConfigError, resolve
+from lightspan.core.config import ConfigError, resolve
 from lightspan.lightningrl import builder
 from lightspan.lightningrl.config import TransitionsConfig
 from tests.collector.helpers import query

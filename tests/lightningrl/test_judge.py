@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from lightspan.collector.server import Collector
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.lightningrl import judge
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import config, grpc_exporter, query

@@ -5,7 +5,7 @@ within the policy, credited under its own credit policy, dropped calls counted p
 import pytest
 
 from lightspan import store
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.store import policies as pol
 
 from .helpers import EPS, build, call, reward, runner, write

@@ -3,7 +3,7 @@ re-sent and late spans (lightningrl/selection.py, lightningrl/config.py)."""
 
 import pytest
 
-from lightspan.config import ConfigError, resolve
+from lightspan.core.config import ConfigError, resolve
 from lightspan.lightningrl import builder
 from lightspan.lightningrl.config import TransitionsConfig, parse_time
 from tests.lightningrl.helpers import NOW, T0, build, call, episode, reward, runner, write

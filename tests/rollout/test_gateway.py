@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.tracing import semconv
 from lightspan.tracing.capture import Capture
 from lightspan.rollout.gateway import Gateway, GatewayConfig, route

@@ -13,7 +13,7 @@ import pytest
 import requests
 from opentelemetry.sdk.trace import TracerProvider
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.rollout.gateway import Gateway, GatewayConfig
 from lightspan.rollout.replicas import Upstreams, rendezvous, untraced_key
 from lightspan.store import replicas as rotation

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lightspan import cli
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.rollout import k8s
 from lightspan.tracing import semconv
 from lightspan.rollout.runner import RolloutConfig

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from lightspan import store
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.rollout import runner
 from lightspan.rollout.routing import served_attributes, served_model
 from lightspan.store.policies import PolicyConfig, validate

@@ -10,7 +10,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan import store
 from lightspan.rollout import runner
 from lightspan.tracing import semconv

@@ -244,7 +244,7 @@ def test_credentials_and_endpoint_come_from_the_aws_config_files(tmp_path):
 
 def test_an_endpoint_url_s_credentials_are_never_printed(tmp_path):
     """``AWS_ENDPOINT_URL=http://user:secret@host`` was echoed whole in the collector's start-up
-    error; now every message that shows a URL shows ``http://***@host`` (lightspan.config.redact),
+    error; now every message that shows a URL shows ``http://***@host`` (lightspan.core.config.redact),
     and says that credentials in the URL are not read."""
     import subprocess
     import sys
@@ -262,7 +262,7 @@ def test_an_endpoint_url_s_credentials_are_never_printed(tmp_path):
     host = endpoint.removeprefix("http://")
     assert f"http://***@{host}" in lines[0] and "s3://no-bucket/p" in lines[0], lines[0]
     assert "AWS_SECRET_ACCESS_KEY" in lines[0]                   # and how to give them instead
-    from lightspan.config import ConfigError
+    from lightspan.core.config import ConfigError
     from lightspan.rollout.gateway_config import GatewayConfig
     with pytest.raises(ConfigError) as err:                      # a config error shows none either
         GatewayConfig(upstream="ftp://admin:hunter2@vllm:8000")

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightspan import cli
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.store import export
 from tests.collector.helpers import query
 

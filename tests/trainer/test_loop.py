@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from lightspan import store
-from lightspan.config import ConfigError, parse_duration, resolve
+from lightspan.core.config import ConfigError, parse_duration, resolve
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.batches import Cursor, collate
 from lightspan.trainer.checkpoints import CONFIG_FILE, STATE_FILE

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from lightspan import store
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.batches import collate
 from lightspan.trainer.checkpoints import STATE_FILE

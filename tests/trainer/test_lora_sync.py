@@ -107,7 +107,7 @@ def test_lora_steps_are_served_under_one_stable_name(lora_vllm, tiny_model, tmp_
 
 def test_vllm_config_for_lora(tiny_model):
     from lightspan import inference
-    from lightspan.config import ConfigError
+    from lightspan.core.config import ConfigError
 
     plain = inference.VLLMConfig(model=str(tiny_model))
     assert "--enable-lora" not in inference.command(plain)

@@ -33,7 +33,7 @@ from lightspan.trainer.loop import Trainer
 from lightspan.trainer.nccl import NcclSync, nccl_problem
 from lightspan.trainer.sync import SyncError
 
-from lightspan.config import ConfigError
+from lightspan.core.config import ConfigError
 
 torch.set_num_threads(1)
 RENDEZVOUS_S = 30.0        # a deadline for a peer that never comes; every passing test meets it at once

@@ -227,7 +227,7 @@ def test_the_gateway_routes_each_agents_calls_to_its_policy(lora_vllm, tiny_mode
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from lightspan.config import ConfigError
+    from lightspan.core.config import ConfigError
     from lightspan.rollout.gateway import Gateway, GatewayConfig
     from lightspan.tracing import semconv
 
@@ -303,7 +303,7 @@ def test_each_policy_gets_its_own_trainer_config(tmp_path, tiny_model, policies_
      "trainer.vllm_replicas"),
 ])
 def test_bad_policy_settings_fail_when_the_trainer_starts(tmp_path, tiny_model, kwargs, text, field):
-    from lightspan.config import ConfigError
+    from lightspan.core.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path), policies=write_policies(tmp_path, text), **kwargs)
@@ -312,7 +312,7 @@ def test_bad_policy_settings_fail_when_the_trainer_starts(tmp_path, tiny_model, 
 
 def test_vllm_serves_the_policies_side_by_side(tmp_path, tiny_model):
     from lightspan import inference
-    from lightspan.config import ConfigError
+    from lightspan.core.config import ConfigError
 
     cfg = inference.VLLMConfig(model=str(tiny_model), lora_rank=8, policies=write_policies(tmp_path, POLICIES))
     command = inference.command(cfg)

@@ -1,4 +1,4 @@
-"""Tokens and cross-site checks of the shared server (see :mod:`lightspan.http`)."""
+"""Tokens and cross-site checks of the shared server (see :mod:`lightspan.core.web`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lightspan.config import is_loopback
-from lightspan.http.request import STATE_CHANGING, HTTPError, Request
+from lightspan.core.config import is_loopback
+from lightspan.core.web.request import STATE_CHANGING, HTTPError, Request
 
 
 def same_token(given: str | None, token: str) -> bool:

@@ -1,5 +1,5 @@
 """Turns: at most ``running`` handlers in one kind of work at once, ``waiting`` more queued, the rest
-told to retry; and an :class:`Allowance` of bytes of one kind of work in progress (see :mod:`lightspan.http`).
+told to retry; and an :class:`Allowance` of bytes of one kind of work in progress (see :mod:`lightspan.core.web`).
 
 A server gives each kind of work that must not crowd out another its own :class:`Turns` (the
 collector: one for queries, one for reward posts), so a flood of one kind is refused with 429 +
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from lightspan.http.request import retry_later
+from lightspan.core.web.request import retry_later
 
 
 class Turns:

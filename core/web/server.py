@@ -1,5 +1,5 @@
 """The shared server: the standard library's ``http.server`` with a connection cap, a deadline on
-every request's arrival and a byte budget (see :mod:`lightspan.http`)."""
+every request's arrival and a byte budget (see :mod:`lightspan.core.web`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from lightspan.http.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
+from lightspan.core.web.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
                                     retry_later)
 
-log = logging.getLogger("lightspan.http")
+log = logging.getLogger("lightspan.core.web")
 
 
 class _DeadlineIO(io.RawIOBase):

@@ -35,12 +35,12 @@ query) can refuse other sites' pages too (:meth:`Guard.same_origin`). :class:`Tu
 handlers of one kind of work run and wait at once, :class:`Allowance` how many bytes of it.
 """
 
-from lightspan.config import is_loopback
-from lightspan.http.guard import Guard, bearer, same_token
-from lightspan.http.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
+from lightspan.core.config import is_loopback
+from lightspan.core.web.guard import Guard, bearer, same_token
+from lightspan.core.web.request import (DRAIN_LIMIT, ByteBudget, ClientGone, Handler, HTTPError, Limits, Request, Response,
                                     decode_json, json_response, retry_later)
-from lightspan.http.server import Server
-from lightspan.http.turns import Allowance, Turns
+from lightspan.core.web.server import Server
+from lightspan.core.web.turns import Allowance, Turns
 
 __all__ = ["DRAIN_LIMIT", "Allowance", "ByteBudget", "ClientGone", "Guard", "HTTPError", "Handler", "Limits", "Request",
            "Response", "Server", "Turns", "bearer", "decode_json", "is_loopback", "json_response", "retry_later", "same_token"]

@@ -1,5 +1,5 @@
 """Requests and answers of the shared server: the limits, the byte budget, a request's body read
-under its deadline and budget, errors answered as JSON (see :mod:`lightspan.http`)."""
+under its deadline and budget, errors answered as JSON (see :mod:`lightspan.core.web`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 if TYPE_CHECKING:
-    from lightspan.http.server import _Handler
+    from lightspan.core.web.server import _Handler
 
 MiB = 1 << 20
 DRAIN_LIMIT = 8 * MiB     # a refused body up to this size is read and dropped, so the client reads our answer

@@ -1,8 +1,9 @@
-"""Routes that others add to the collector's API port (the web UI), and what they answer.
+"""Routes that one part adds to another's server (the web UI on the collector's API port), and
+what they answer.
 
-The collector imports no dashboards, lightningrl or trainer code: the process that composes the
-services (``lightspan collector``, :mod:`lightspan.services`) builds a tuple of :class:`Route`
-and hands it to :class:`~lightspan.collector.server.Collector`. A route's handler is a plain
+The collector imports no dashboards, lightningrl or trainer code and the dashboards no collector
+code: the process that composes the services (``lightspan collector``, :mod:`lightspan.cli`)
+builds a tuple of :class:`Route` and hands it to the collector. A route's handler is a plain
 function of the request's path and query string and of a :class:`CollectorState`; it returns a
 :class:`Response`, whatever HTTP server carries it.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lightspan.http import Response
+from lightspan.core.web.request import Response
 
 __all__ = ["CollectorState", "Response", "Route", "find"]
 
