@@ -52,13 +52,15 @@ sys.path.insert(0, str(BENCH))
 
 def serve(port: int) -> None:
     """The stub: canned chat answers, an OTLP/HTTP span sink (its own process)."""
-    from capture_overhead import _response_bodies
+    import capture_stub   # (capture_overhead's _response_bodies moved there in e1591f9)
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
         ExportTraceServiceResponse,
     )
 
-    bodies = _response_bodies(64, 16)
+    canned = capture_stub.bodies(64, 16)
+    bodies = {(stream, ids, lp): canned[("chat", stream, ids, lp, False)]
+              for stream in (False, True) for ids in (False, True) for lp in (False, True)}
     spans: dict[str, list[str]] = defaultdict(list)
     lock = threading.Lock()
     ok = ExportTraceServiceResponse().SerializeToString()
