@@ -40,7 +40,6 @@ ROLLOUT_DROP_REASONS = ("split", "duplicate", "incomplete", "failed", "timeout",
 CALL_DROP_REASONS = ("duplicate", "agent_mismatch", "no_token_ids", "other_policy",
                      "truncated")  # DROPPED_CALLS_SQL order
 PENDING_REASONS = ("incomplete", "small_group")
-LLM_OPERATIONS = ("chat", "text_completion", "completion", "generate_content")   # as store's llm_calls
 TRUNCATED_FINISH = ("length", "max_tokens")
 
 def span_files(data_dir) -> list[str]:
@@ -141,7 +140,7 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     pass ``p`` (its policy's agents)."""
     con.execute(ROLLOUTS_SQL, {
         "runner": semconv.SPAN_RUNNER, "root": semconv.SPAN_ROLLOUT, "split": config.split, "policy": p.policy,
-        "ops": list(LLM_OPERATIONS), "cutoff": now - int(config.grace_s * 1e9),
+        "ops": sorted(semconv.LLM_OPERATIONS), "cutoff": now - int(config.grace_s * 1e9),
         "since": config.since_unix_nano, "until": config.until_unix_nano})
     found.scan["already_built"] = con.execute("SELECT count(*) FROM _lrl_rollouts WHERE built").fetchall()[0][0]
 
@@ -150,7 +149,7 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     found.tokens, lengths = reader.read(fidx, where.column("frow").to_numpy())
     found.scan["token_files_read"] = len(np.unique(fidx))
     con.register("_lrl_tok", lengths)
-    con.execute(CALLS_SQL, {"ops": list(LLM_OPERATIONS), "truncated": list(TRUNCATED_FINISH)})
+    con.execute(CALLS_SQL, {"ops": sorted(semconv.LLM_OPERATIONS), "truncated": list(TRUNCATED_FINISH)})
     if con.execute("SELECT count(*) FROM _lrl_calls WHERE agent_name IS NULL").fetchall()[0][0]:
         con.execute(AGENTS_SQL)
         con.execute(AGENT_KEY_SQL)

@@ -22,7 +22,10 @@ from lightspan.store.schema import PARTITIONED, REWARD_SCOPE, SCHEMAS
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_LLM_OPERATIONS = "('chat', 'text_completion', 'completion', 'generate_content')"
+LLM_OPERATIONS = ("chat", "completion", "generate_content", "text_completion")
+"""The ``operation_name`` values of an LLM call's span: ``tracing.semconv.LLM_OPERATIONS``, copied here
+because the store imports no other part (tests/test_layers.py pins the two equal)."""
+_LLM_OPERATIONS_SQL = "(" + ", ".join(f"'{op}'" for op in LLM_OPERATIONS) + ")"
 NOT_CAPTURED_REASON = (
     "an LLM span without lightspan's capture: the agent's process did not run lightspan's instrumentor on "
     "this call (not started by lightspan rollout or opentelemetry-instrument, lightspan not installed in its "
@@ -51,7 +54,7 @@ _VIEWS = {
                    list(parent_span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_parents,
                    list(span_id) FILTER (WHERE prompt_token_ids IS NOT NULL) OVER t AS _token_spans
             FROM spans
-            WHERE (prompt_token_ids IS NOT NULL OR operation_name IN {_LLM_OPERATIONS})
+            WHERE (prompt_token_ids IS NOT NULL OR operation_name IN {_LLM_OPERATIONS_SQL})
               -- marked by the instrumentor: another span carries this call
               AND capture_status IS DISTINCT FROM 'duplicate'
             WINDOW t AS (PARTITION BY trace_id)

@@ -208,6 +208,16 @@ def test_the_agent_side_and_the_store_import_only_their_libraries(part):
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_stores_copy_of_the_vocabulary_is_the_vocabulary():
+    """The store imports no other part, so its ``llm_calls`` view holds its own copy of the LLM
+    operation names; it must be semconv's, or the view and the builder count different calls."""
+    from lightspan.store import views
+    from lightspan.tracing import semconv
+
+    assert set(views.LLM_OPERATIONS) == semconv.LLM_OPERATIONS
+    assert len(views.LLM_OPERATIONS) == len(semconv.LLM_OPERATIONS)
+
+
 def _loaded_after(statement: str, blocked: tuple[str, ...] = ()) -> set[str]:
     """The top-level modules loaded in a fresh interpreter by ``statement``; ``blocked`` ones fail
     to import there, as if they were not installed."""

@@ -35,6 +35,10 @@ TRACELOOP_ENTITY_NAME = "traceloop.entity.name"
 """traceloop's name of the workflow, agent, task or tool a span runs."""
 LLM_REQUEST_TYPE = "llm.request.type"
 """traceloop's older name for the operation (``chat``, ``completion``)."""
+LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content"})
+"""The ``gen_ai.operation.name`` (or ``llm.request.type``) values of a span that describes one LLM call.
+The store's ``llm_calls`` view holds its own copy (``store.views.LLM_OPERATIONS``: the store imports
+no other part), which tests/test_layers.py pins equal to this one."""
 SERVICE_NAME = "service.name"
 
 # --- lightspan: what RL needs on top ---------------------------------------------------------

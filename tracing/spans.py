@@ -35,7 +35,6 @@ from opentelemetry.sdk.trace import SpanProcessor
 from lightspan.tracing import semconv
 
 TRACER_NAME = "lightspan.instrumentor"
-LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content"})
 # the context key (opentelemetry-semantic-conventions-ai) with which a framework's instrumentation
 # that already opened the call's LLM span tells the client instrumentations below it to stand aside
 SUPPRESS_LLM_KEY = "suppress_language_model_instrumentation"
@@ -49,7 +48,7 @@ def is_llm_span(span) -> bool:
     if not attrs:
         return False
     op = attrs.get(semconv.GEN_AI_OPERATION_NAME) or attrs.get(semconv.LLM_REQUEST_TYPE)
-    return op in LLM_OPERATIONS
+    return op in semconv.LLM_OPERATIONS
 
 
 def span_id(span) -> str:
