@@ -30,6 +30,7 @@ import duckdb
 import numpy as np
 
 from lightspan.store.attribution import rewards_per_call
+from lightspan.store.sql import jsonable
 from lightspan.store.views import NOT_CAPTURED_REASON, REWARD_ORDER
 from lightspan.core.config import parse_duration
 
@@ -120,24 +121,9 @@ def _iso_ns(text: str) -> int:
 
 # --- rows to JSON --------------------------------------------------------------------------------
 
-def clean(value):
-    """A DuckDB value as JSON: non-finite floats become null (a chart gap), maps become objects."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): clean(v) for k, v in value.items()}
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).hex()
-    if isinstance(value, (dt.datetime, dt.date)):
-        return value.isoformat()
-    return value
-
-
 def records(cursor: duckdb.DuckDBPyConnection) -> list[dict]:
     names = [d[0] for d in cursor.description]
-    return [{n: clean(v) for n, v in zip(names, row)} for row in cursor.fetchall()]
+    return [{n: jsonable(v) for n, v in zip(names, row)} for row in cursor.fetchall()]
 
 
 # --- rollouts ------------------------------------------------------------------------------------
@@ -225,7 +211,7 @@ def rollouts(con: duckdb.DuckDBPyConnection, filters: dict) -> dict:
     for row in page:
         del row["traces"]
         row["num_llm_calls"] = calls.get(row["rollout_key"], 0)
-    return {"rollouts": page, "total": summary[0], "reward_mean": clean(summary[1]),
+    return {"rollouts": page, "total": summary[0], "reward_mean": jsonable(summary[1]),
             "with_reward": summary[2], "limit": filters["limit"], "offset": filters["offset"]}
 
 

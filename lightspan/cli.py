@@ -109,9 +109,11 @@ def _sql(args) -> int:
     elif args.format == "csv":
         rel.write_csv(args.output or "/dev/stdout")
     elif args.format == "json":
+        from lightspan.store.sql import jsonable
+
         cols = rel.columns
         for row in rel.fetchall():
-            sys.stdout.write(json.dumps(dict(zip(cols, row)), default=str) + "\n")
+            sys.stdout.write(json.dumps({c: jsonable(v) for c, v in zip(cols, row)}, allow_nan=False) + "\n")
     else:
         if not args.output:
             raise ConfigError("sql", "output", "--format parquet needs a file", "pass --output FILE.parquet")

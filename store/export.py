@@ -9,7 +9,7 @@ for evaluation or supervised fine-tuning elsewhere.
 - ``transitions``: the training transitions, the newest build of each.
 
 In JSONL the messages are JSON (the instrumentation's ``gen_ai.*.messages`` parsed), one object
-per line; in Parquet they stay JSON text, and lists stay typed lists. The file is written to a
+per line, strict JSON (a NaN is null: :func:`lightspan.store.sql.jsonable`); in Parquet they stay JSON text, and lists stay typed lists. The file is written to a
 temporary name and renamed, so a reader never sees half of it.
 """
 
@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.sql import jsonable
 from lightspan.store.views import connect, retry_vanished
 
 WHAT = ("calls", "rollouts", "transitions")
@@ -127,7 +128,10 @@ def query(cfg: ExportConfig) -> tuple[str, list]:
     return sql + (f" LIMIT {int(cfg.limit)}" if cfg.limit else ""), params
 
 
-def _jsonable(row: dict) -> dict:
+def _jsonl_row(row: dict) -> dict:
+    """A row as one JSONL object: values as :func:`lightspan.store.sql.jsonable` (NaN as null, bytes
+    as base64), the message columns parsed."""
+    row = {key: jsonable(value) for key, value in row.items()}
     for key in _MESSAGE_COLUMNS:
         if isinstance(row.get(key), str):
             try:
@@ -157,6 +161,6 @@ def write(cfg: ExportConfig) -> dict:
     else:
         with open(tmp, "w") as fh:
             for row in table.to_pylist():
-                fh.write(json.dumps(_jsonable(row), default=str) + "\n")
+                fh.write(json.dumps(_jsonl_row(row), allow_nan=False) + "\n")
     os.replace(tmp, out)
     return {"rows": table.num_rows, "out": str(out), "format": cfg.resolved_format}

@@ -10,10 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
-import decimal
 import math
 import threading
-import uuid
 from pathlib import Path
 
 import duckdb
@@ -88,11 +86,20 @@ def time_limit(con: duckdb.DuckDBPyConnection, timeout_s: float, *, start: bool 
 
 
 def jsonable(value):
-    """A DuckDB value as JSON: non-finite floats and bytes as strings, maps as objects."""
+    """A DuckDB (or pyarrow ``to_pylist``) value as a strict-JSON one, the one conversion every reader
+    that answers JSON uses (``/v1/sql``, the web UI's API, ``lightspan export`` and ``lightspan sql``):
+
+    - a non-finite float (NaN, ±inf) is ``None`` (JSON ``null``): JSON has no NaN, ``null`` is what a
+      browser's ``JSON.stringify`` writes for it and what the UI's charts draw as a gap; a query that
+      must tell NaN from NULL asks DuckDB (``isnan(x)``, ``isinf(x)``);
+    - bytes (a BLOB) are base64 text;
+    - maps are objects with string keys, lists and structs stay lists and objects;
+    - dates and times are ISO 8601 text, intervals seconds, decimals and UUIDs text, anything else ``str``.
+    """
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+        return value if math.isfinite(value) else None
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     if isinstance(value, dict):
@@ -103,7 +110,4 @@ def jsonable(value):
         return value.isoformat()
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
-    if isinstance(value, (decimal.Decimal, uuid.UUID)):
-        return str(value)
-    return str(value)
-
+    return str(value)        # decimal.Decimal, uuid.UUID, and whatever else DuckDB gives
