@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import ipaddress
 import json
 import logging
@@ -76,20 +77,65 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def parse_time(text: str, *, unit_ns: int = 10**9, now_ns: int | None = None) -> int | None:
+    """Unix nanoseconds of ``text``, the one time format of lightspan's filters:
+
+    - ``''``: None (no bound);
+    - a number: that many ``unit_ns`` since the epoch (unix seconds by default, ``1767225600.5``);
+    - an ISO 8601 time (``2026-01-31T12:00:00Z``; UTC unless it names a zone);
+    - given ``now_ns``, a duration before then (``15m``, ``2h``, ``7d``).
+
+    ValueError otherwise, and for a time outside 1970 .. 2262 (unix nanoseconds in 64 bits)."""
+    text = str(text).strip()
+    if not text:
+        return None
+    if _NUMBER.fullmatch(text):
+        whole, _, fraction = text.partition(".")
+        ns = int(whole) * unit_ns + (int(fraction) * unit_ns // 10 ** len(fraction) if fraction else 0)
+    else:
+        try:
+            moment = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            if now_ns is None:
+                raise ValueError(f"not a number or an ISO 8601 time: {text!r}") from None
+            ns = now_ns - int(parse_duration(text) * 10**9)
+        else:
+            moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.timezone.utc)
+            delta = moment - _EPOCH
+            ns = (delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+    if not 0 <= ns < 2**63:
+        raise ValueError(f"outside 1970 .. 2262 (unix nanoseconds in 64 bits): {text!r}")
+    return ns
+
+
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple | None = None):
     """A documented config field. ``env`` adds an environment alias besides the default name."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices})
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+"""Host names of the loopback interface (and any ``*.localhost``, RFC 6761)."""
+
+
 def is_loopback(host: str) -> bool:
-    """Whether a bind address or host name stays on this machine (the token rules of the servers)."""
+    """Whether a bind address or host name is the loopback interface, so only this machine reaches
+    it (the token rules of the servers): a loopback name, 127.0.0.0/8 or ::1 (IPv4-mapped too).
+    The unspecified address (0.0.0.0, ::) is not: a server bound there listens on every interface.
+    (The instrumentor's ``tracing.urls.names_this_machine`` asks the other question, whether a URL's
+    host is this machine as a destination, where 0.0.0.0 counts; tests/tracing/test_urls.py pins the two.)"""
     host = host.strip().strip("[]").lower()
-    if host in ("localhost", "127.0.0.1", "::1") or host.endswith(".localhost"):
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _types(cls) -> dict[str, Any]:

@@ -19,10 +19,8 @@ Endpoints (see :mod:`lightspan.dashboards.web`):
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -32,13 +30,12 @@ import numpy as np
 from lightspan.store.attribution import rewards_per_call
 from lightspan.store.sql import jsonable
 from lightspan.store.views import NOT_CAPTURED_REASON, REWARD_ORDER
-from lightspan.core.config import parse_duration
+from lightspan.core.config import parse_time as core_parse_time
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_SPANS = 5000          # spans of one rollout returned; past it the answer says truncated
 MAX_TEXT = 200            # longest filter value accepted
-_NS = 10**9
 
 Params = Mapping[str, Sequence[str]]   # parse_qs output: each parameter's values
 
@@ -98,25 +95,16 @@ def number(params: Params, name: str) -> float | None:
 
 def parse_time(text: str, name: str, now_ns: int) -> int:
     """Unix nanoseconds of ``text``: unix seconds (``1767225600``), an ISO 8601 time (UTC unless
-    it has an offset), or a duration before now (``15m``, ``2h``, ``7d``)."""
+    it has an offset), or a duration before now (``15m``, ``2h``, ``7d``):
+    :func:`lightspan.core.config.parse_time`, its error a 400 naming the parameter."""
     try:
-        ns = int(float(text) * _NS) if re.fullmatch(r"\d+(\.\d+)?", text) else _iso_ns(text)
-    except (ValueError, OverflowError):
-        try:
-            ns = now_ns - int(parse_duration(text) * _NS)
-        except ValueError:
-            raise BadParameter(f"{name!r} must be unix seconds, an ISO 8601 time (2026-01-31T12:00:00Z) or a "
-                               f"duration before now (15m, 2h, 7d), got {text!r}") from None
-    if not 0 <= ns < 2**63:
-        raise BadParameter(f"{name!r} is outside 1970 .. 2262 (unix nanoseconds in 64 bits): {text!r}")
+        ns = core_parse_time(text, now_ns=now_ns)
+    except ValueError as exc:
+        raise BadParameter(f"{name!r} must be unix seconds, an ISO 8601 time (2026-01-31T12:00:00Z) or a "
+                           f"duration before now (15m, 2h, 7d), got {text!r} ({exc})") from None
+    if ns is None:
+        raise BadParameter(f"{name!r} is empty: give unix seconds, an ISO 8601 time or a duration before now")
     return ns
-
-
-def _iso_ns(text: str) -> int:
-    when = dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return int(when.timestamp()) * _NS + when.microsecond * 1000
 
 
 # --- rows to JSON --------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 from lightspan.core.config import ConfigError, option
+from lightspan.core.config import parse_time as core_parse_time
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.store.policies import POLICIES_ENV, TRANSITIONS_FIELDS, PolicyConfig, override
 from lightspan.store.policies import load as load_policies
@@ -25,18 +25,9 @@ OUTPUTS = ("per_call", "per_rollout")
 
 
 def parse_time(value: str) -> int | None:
-    """Unix nanoseconds from ``value``: '' (no bound), an integer (unix ns) or an ISO 8601
-    timestamp (``2026-11-30T12:00:00Z``; without a zone it is UTC)."""
-    text = str(value).strip()
-    if not text:
-        return None
-    if text.lstrip("-").isdigit():
-        return int(text)
-    moment = datetime.fromisoformat(text)
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    delta = moment - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+    """Unix nanoseconds of a ``since``/``until`` bound: '' (no bound), an integer (unix ns) or an ISO
+    8601 time (UTC unless it names a zone): :func:`lightspan.core.config.parse_time` in unix ns."""
+    return core_parse_time(value, unit_ns=1)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,22 @@ Anthropic Messages (``messages`` is reached only through the ``anthropic`` clien
 OPERATION = {CHAT: "chat", TEXT_COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat"}
 """``gen_ai.operation.name`` of each API's calls (the GenAI conventions call all three chat APIs ``chat``)."""
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
-                             "::1", "0.0.0.0", "::", "0:0:0:0:0:0:0:1"})
+_THIS_MACHINE = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
+                           "::1", "0:0:0:0:0:0:0:1", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
+_LOOPBACK_V4 = re.compile(r"(::ffff:)?127\.\d{1,3}\.\d{1,3}\.\d{1,3}")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 LOOPBACK = "loopback"
 
 
-def is_loopback(host: str) -> bool:
+def names_this_machine(host: str) -> bool:
+    """Whether ``host``, as a URL's destination, is this machine: a loopback name or address
+    (``*.localhost``, 127.0.0.0/8, ::1, IPv4-mapped too) or the unspecified address (0.0.0.0, ::),
+    which a client connecting to it reaches this machine by. So ``localhost:8000`` and
+    ``0.0.0.0:8000`` are one server. (``lightspan.core.config.is_loopback`` asks whether a server
+    bound at a host is reachable from this machine only, where 0.0.0.0 is not; the two are pinned
+    together in tests/tracing/test_urls.py, as tracing imports no other part.)"""
     host = host.lower().strip("[]")
-    return host in _LOOPBACK_NAMES or host.startswith("127.") or host.startswith("::ffff:127.")
+    return host in _THIS_MACHINE or host.endswith(".localhost") or _LOOPBACK_V4.fullmatch(host) is not None
 
 
 @functools.lru_cache(maxsize=512)
@@ -63,7 +71,7 @@ def canonical(url: str) -> tuple[str, str, int, tuple[str, ...]] | None:
     if port is None:
         port = _DEFAULT_PORTS.get(scheme, 0)
     segments = tuple(s for s in parts.path.split("/") if s)
-    return scheme, LOOPBACK if is_loopback(host) else host, port, segments
+    return scheme, LOOPBACK if names_this_machine(host) else host, port, segments
 
 
 def covers(base: tuple, url: tuple) -> bool:

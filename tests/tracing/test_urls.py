@@ -47,3 +47,17 @@ def test_the_api_of_a_path():
     assert urls.api("/v1/messages/count_tokens", "anthropic") is None
     # the anthropic client's base URL has no /v1: the whole URL is matched
     assert should_capture("http://127.0.0.1:8000", "/v1/messages", "http://127.0.0.1:8000/v1", client="anthropic")
+
+
+@pytest.mark.parametrize("host", [
+    "localhost", "LOCALHOST", "app.localhost", "localhost.localdomain", "ip6-localhost", "127.0.0.1", "127.1.2.3",
+    "::1", "[::1]", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1", "0.0.0.0", "::", "[::]",
+    "10.0.0.1", "vllm", "127.example.com", "api.openai.com", "::ffff:10.0.0.1"])
+def test_this_machine_is_loopback_or_the_unspecified_address(host):
+    """urls.names_this_machine (a URL's destination) and core.config.is_loopback (a bind address
+    only this machine reaches) differ by the unspecified address only; tracing imports no other part,
+    so the relation is pinned here."""
+    from lightspan.core.config import is_loopback
+
+    unspecified = host.strip("[]") in ("0.0.0.0", "::")
+    assert urls.names_this_machine(host) == (is_loopback(host) or unspecified)
