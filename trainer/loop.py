@@ -66,7 +66,7 @@ from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
 from lightspan.trainer.replicas import ReplicaSync
 from lightspan.trainer.step import optimise
-from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync, verify
+from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class Trainer:
         self.data_dir = store.data_dir(config.data_dir)
         self.output_dir = Path(config.output_dir) if config.output_dir else self.data_dir / "checkpoints"
         def backend(url: str) -> WeightSync:
-            return {"reload": lambda: ReloadSync(url, serving=self._served_dir() if config.vllm_replicas else None),
+            # what vLLM serves before the first push, known once load_or_init has run
+            return {"reload": lambda: ReloadSync(url, serving=lambda: self.served_at_start),
                     "lora": lambda: LoraSync(url, config.served_model_name),
                     # the live tensors, not a checkpoint: the model exists after load_or_init
                     "nccl": lambda: NcclSync(url, lambda: self.accelerator.unwrap_model(self.model)),
@@ -116,6 +117,7 @@ class Trainer:
         self.run_id = ""
         self.model = self.optimizer = self.ref_model = self.tokenizer = None
         self.model_source: Path | None = None     # where tokenizer files are copied from
+        self.served_at_start: Path | None = None  # what vLLM serves before the first push
         self.param_names: list[str] = []          # the optimizer's parameters, in its order
 
     # ---- for the driver ---------------------------------------------------------------------
@@ -203,8 +205,7 @@ class Trainer:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as exc:
             log.warning("no tokenizer in %s (%s): verifying syncs with fixed token ids", source, exc)
-        if isinstance(self.sync, ReloadSync) and self.sync.serving is None:
-            self.sync.serving = self._served_dir()
+        self.served_at_start = self._served_dir()
         if cfg.beta and not cfg.lora_r:      # with LoRA the reference is the base, adapters disabled
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
             ref_model.requires_grad_(False).eval().to(self.accelerator.device)
@@ -254,9 +255,7 @@ class Trainer:
 
     def _verifies(self) -> bool:
         """Whether publish checks the served logprobs against the trainer's."""
-        return self.config.verify_sync and isinstance(
-            self.sync, (ReloadSync, LoraSync, NcclSync, ReplicaSync)
-        )
+        return self.config.verify_sync and self.sync.verifies
 
     def _on_main(self, fn):
         return dist.on_main(self.accelerator, fn)
@@ -328,13 +327,12 @@ class Trainer:
         except SyncError:
             self.metrics.sync_failed()
             raise
-        if "sync_seconds" in sync_metrics and not isinstance(self.sync, NoSync):
+        if "sync_seconds" in sync_metrics:            # a push took place (sync 'none' times nothing)
             self.metrics.observe_sync(sync_metrics["sync_seconds"])
         diff = None
         if self._verifies():
             ids, expected = expected or self.verify_sequence()
-            diff = (self.sync.verify(self.config.served_model_name, ids, expected) if isinstance(self.sync, ReplicaSync)
-                    else verify(self.config.vllm_url, self.config.served_model_name, ids, expected))
+            diff = self.sync.verify(self.config.served_model_name, ids, expected)
             level = logging.WARNING if diff > 1e-3 else logging.INFO
             log.log(level, "version %d: max |logprob(vLLM) - logprob(trainer)| = %.2e", self.version, diff)
         store.policy.write(self.data_dir, self.version, checkpoint, name=self.policy)
@@ -343,8 +341,9 @@ class Trainer:
             self.metrics.set_version(self.version)
             return {}
         floor = self.config.entropy_floor or None
-        row = {**metrics, **sync_metrics, "sync_max_abs_logprob_diff": diff, "run_id": self.run_id,
-               "policy": self.policy, "entropy_floor": floor,
+        # the step's seconds spent syncing: 0 when nothing was pushed (the histogram observes pushes only)
+        row = {**metrics, "sync_seconds": 0.0, **sync_metrics, "sync_max_abs_logprob_diff": diff,
+               "run_id": self.run_id, "policy": self.policy, "entropy_floor": floor,
                "entropy_below_floor": int(entropy_warning(metrics.get("entropy"), floor) is not None),
                "step": self.version, "policy_version": self.version, "time_unix_nano": time.time_ns()}
         names = store.TRAIN_STEP_SCHEMA.names

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from lightspan.trainer.sync import SyncError, paused, post, reset_prefix_cache
+from lightspan.trainer.sync import OneServer, SyncError, paused, post, reset_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-class NcclSync:
+class NcclSync(OneServer):
     """vLLM's native weight transfer: the trainer's live tensors, broadcast over NCCL (GPU only).
 
     vLLM must run with ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer routes are dev routes) and

@@ -43,6 +43,8 @@ the previous version is off by the step's whole update."""
 class ReplicaSync:
     """A :class:`WeightSync` over every replica; see the module docstring."""
 
+    verifies = True     # each replica that took a version is checked before it goes back in rotation
+
     def __init__(self, targets: tuple[str, ...], make_backend: Callable[[str], WeightSync], data_dir,
                  *, pauses: bool = True, timeout_s: float = 300.0, resolve_fn: Callable = rotation.resolve):
         self.targets, self.make_backend, self.data_dir = tuple(targets), make_backend, data_dir

@@ -83,19 +83,46 @@ def _query(params: dict) -> str:
 
 
 class WeightSync(Protocol):
+    """How a trained version reaches the server agents call. The trainer asks a backend what it
+    does (``verifies``), never which one it is."""
+
+    verifies: bool
+    """Whether the server serves what was pushed, so that after each push the trainer compares the
+    served logprobs of one fixed sequence with its own (:meth:`verify`)."""
+
     def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
-        """Make the server serve ``checkpoint_dir`` as ``version``; returns metrics in seconds."""
+        """Make the server serve ``checkpoint_dir`` as ``version``; returns metrics in seconds
+        (``sync_seconds``: the push's wall time, absent when nothing was pushed)."""
+        ...
+
+    def verify(self, model_name: str, token_ids: list[int], expected: list[float]) -> float:
+        """max |served logprob - expected| of ``token_ids`` (:func:`verify`); only when ``verifies``."""
         ...
 
 
 class NoSync:
-    """No server to update (``sync = "none"``)."""
+    """No server to update (``sync = "none"``): nothing pushed, timed or verified."""
+
+    verifies = False
 
     def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
-        return {"sync_seconds": 0.0}
+        return {}
+
+    def verify(self, model_name: str, token_ids: list[int], expected: list[float]) -> float:
+        raise RuntimeError("sync 'none' pushes nothing to a server: there is nothing to verify")
 
 
-class LoraSync:
+class OneServer:
+    """A backend that pushes to the one vLLM server at ``self.url`` and verifies it there."""
+
+    url: str
+    verifies = True
+
+    def verify(self, model_name: str, token_ids: list[int], expected: list[float]) -> float:
+        return verify(self.url, model_name, token_ids, expected)
+
+
+class LoraSync(OneServer):
     """Load each version's adapter into vLLM; agents keep calling one stable name.
 
     vLLM serves an adapter only under the name it was loaded with, and a name cannot be loaded
@@ -187,20 +214,23 @@ def paused(post: Callable[..., requests.Response]):
     post("/resume")
 
 
-class ReloadSync:
+class ReloadSync(OneServer):
     """In-place reload of a safetensors checkpoint by a vLLM server in dev mode.
 
     vLLM moves the model's weights to the meta device before it reads the new ones, so a reload
     that fails half-way (unreadable path, corrupt file) leaves an engine that dies on its next
     request (measured, vLLM 0.32 CPU); a reload that succeeds afterwards repairs it. Hence the
     checkpoint is checked before vLLM sees it, and a failed reload is followed by a reload of
-    ``serving``, the last directory known to load.
+    ``serving``, the last directory known to load. ``serving`` is that directory before the first
+    push, or a function that gives it when the first push asks (the trainer knows it once it
+    loaded its model: what vLLM was started with, or the version published last).
     """
 
-    def __init__(self, url: str, *, serving: str | os.PathLike | None = None, timeout_s: float = 300.0,
-                 retries: int = 3, backoff_s: float = 0.5):
+    def __init__(self, url: str, *, serving: str | os.PathLike | Callable[[], str | os.PathLike | None] | None = None,
+                 timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5):
         self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
-        self.serving: Path | None = Path(serving).resolve() if serving else None
+        self._serving_at_start = serving if callable(serving) else None
+        self.serving: Path | None = Path(serving).resolve() if serving and not callable(serving) else None
 
     def _post(self, path: str, **kwargs) -> requests.Response:
         return post(self.url, path, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
@@ -211,6 +241,9 @@ class ReloadSync:
 
     def push(self, checkpoint_dir: str | os.PathLike, version: int) -> dict[str, float]:
         path = Path(checkpoint_dir).resolve()        # vLLM resolves paths in its own working directory
+        if self._serving_at_start is not None:
+            start, self._serving_at_start = self._serving_at_start(), None
+            self.serving = Path(start).resolve() if start else None
         if path == self.serving:
             raise ValueError(f"vLLM serves {path} already: save each version to a new directory "
                              "(vLLM re-reading one path has served stale weights)")

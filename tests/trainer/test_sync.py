@@ -16,7 +16,9 @@ from lightspan import store
 from lightspan.models import build_tiny_model
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
-from lightspan.trainer.sync import LoraSync, ReloadSync, SyncError, prompt_logprobs, verify
+from lightspan.trainer.nccl import NcclSync
+from lightspan.trainer.replicas import ReplicaSync
+from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, prompt_logprobs, verify
 
 torch.set_num_threads(1)
 log = logging.getLogger(__name__)
@@ -91,6 +93,34 @@ def test_failed_reload_raises_reloads_the_last_good_checkpoint_and_resumes(stub,
     assert "v000001 again" in err.value.__notes__[0]
     assert stub.calls == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/resume"]
     assert sync.serving == (tmp_path / "v000001").resolve()
+
+
+def test_the_directory_served_before_the_first_push_is_asked_at_that_push(stub, tmp_path):
+    """The trainer knows what vLLM serves only once it loaded its model, after it made its backend."""
+    stub.script["/collective_rpc"] = [(500, {"error": "Worker failed"}), (200, {"results": [None]})]
+    asked = []
+    start = fake_checkpoint(tmp_path / "v000001")
+    sync = ReloadSync(stub.url, serving=lambda: asked.append(1) or start, backoff_s=0)
+    assert sync.serving is None and not asked
+    with pytest.raises(SyncError) as err:
+        sync.push(fake_checkpoint(tmp_path / "v000002"), 2)
+    assert "v000001 again" in err.value.__notes__[0] and sync.serving == start.resolve()
+    sync.push(tmp_path / "v000002", 2)
+    assert asked == [1] and sync.serving == (tmp_path / "v000002").resolve()     # asked once
+
+
+def test_each_backend_says_whether_it_verifies_and_verifies_at_its_server(stub):
+    stub.script["/v1/completions"] = [(200, {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -1.0}},
+                                                                              {"8": {"logprob": -2.0}}]}]})]
+    assert NoSync().verifies is False and NoSync().push("anywhere", 1) == {}
+    with pytest.raises(RuntimeError, match="nothing to verify"):
+        NoSync().verify("policy", [1, 7, 8], [-1.0, -2.0])
+    for sync in (ReloadSync(stub.url), LoraSync(stub.url, "policy"), NcclSync(stub.url, lambda: None),
+                 ReplicaSync((stub.url,), lambda url: ReloadSync(url), data_dir=None)):
+        assert sync.verifies is True
+    assert ReloadSync(stub.url).verify("policy", [1, 7, 8], [-1.5, -2.0]) == 0.5
+    assert LoraSync(stub.url, "policy").verify("policy", [1, 7, 8], [-1.0, -2.25]) == 0.25
+    assert stub.bodies[-1]["prompt"] == [1, 7, 8] and stub.bodies[-1]["model"] == "policy"
 
 
 def test_sync_error_for_a_server_that_is_not_there(tmp_path):
