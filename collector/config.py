@@ -143,6 +143,17 @@ class CollectorConfig:
         0,
         "Delete whole date partitions of spans and logs whose day ended this many days ago or more "
         "(checked after each flush). 0 = keep everything.")
+    evaluation_label_values: dict[str, float] | None = option(
+        None,
+        "Values of the labels of gen_ai.evaluation.result events that carry a label and no score, so they "
+        "train: a table {LABEL = value} or {\"NAME/LABEL\" = value} for one evaluation's label (the "
+        "environment takes it as JSON). An evaluation with a label it does not map is stored and not trained "
+        "on.")
+    evaluation_wait_s: float = option(
+        60.0,
+        "How long an evaluation event that arrives before the span it evaluates waits for that span (its "
+        "rollout is the span's); past it, it is stored keyed by the evaluated trace. At most dedup_window_s (a "
+        "restart reads the waiting ones back, and the store drops a copy written within that window).")
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str, fix: str) -> None:
@@ -228,6 +239,15 @@ class CollectorConfig:
             fail("dedup_window_s", f"{self.dedup_window_s!r} is not a positive number of seconds", "use e.g. 600")
         if not is_int(self.dedup_max_keys) or self.dedup_max_keys < 2:
             fail("dedup_max_keys", f"{self.dedup_max_keys!r} is not a whole number >= 2", "use e.g. 1000000")
+        if self.evaluation_label_values is not None:
+            if not isinstance(self.evaluation_label_values, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) for k, v in self.evaluation_label_values.items()):
+                fail("evaluation_label_values", f"{self.evaluation_label_values!r} is not a table of labels to "
+                     "finite numbers", 'give e.g. {pass = 1.0, fail = 0.0, "Relevance/relevant" = 1.0}')
+        if (not isinstance(self.evaluation_wait_s, (int, float)) or isinstance(self.evaluation_wait_s, bool)
+                or not math.isfinite(self.evaluation_wait_s) or self.evaluation_wait_s < 0):
+            fail("evaluation_wait_s", f"{self.evaluation_wait_s!r} is not a number of seconds >= 0", "use e.g. 60")
         for name in ("compact_min_files", "retention_days"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:

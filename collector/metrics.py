@@ -28,6 +28,18 @@ COUNTERS = {
     "reward_forgeries_total": "OTLP spans rejected because they claimed the reward scope only the API writes "
                               "(lightspan.collector.rewards).",
     "reward_claims_total": "OTLP spans whose lightspan.reward.source claim was set aside: stored as the agent's.",
+    "evaluations_received_total": "gen_ai.evaluation.result events read (log records and span events), WAL replay "
+                                  "included.",
+    "evaluations_stored_total": "Evaluation events stored as reward spans (collector/evaluations.py).",
+    "evaluations_unvalued_total": "Of those, evaluations with a label and no score that evaluation_label_values does "
+                                  "not map: stored, not trained on.",
+    "evaluations_unmatched_total": "Evaluations stored without their evaluated span's rollout (it had not arrived "
+                                   "within evaluation_wait_s, or the event named no span or response): keyed by "
+                                   "the evaluated trace.",
+    "evaluations_invalid_total": "Evaluation events that are no evaluation: no gen_ai.evaluation.name, or error.type "
+                                 "set (the evaluation failed). The log record is stored; no reward.",
+    "evaluations_conflicting_total": "Evaluation log records rejected because their key (evaluator, name, evaluated "
+                                     "span) holds another value already (partial_success).",
     "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
     "compactions_total": "Date partitions whose small Parquet files were merged into one.",
     "files_compacted_total": "Small Parquet files removed by compaction (replaced by merged files).",

@@ -28,7 +28,7 @@ def _optional_id(data: bytes, what: str, size: int, zero: bytes) -> str | None:
     return _id(data, what, size, zero)
 
 
-def _log_row(record, scope_name: str, resource: dict, resource_digest: bytes, received_unix_nano: int) -> dict:
+def _log_row(record, scope_name: str, resource: dict, resource_hash: bytes, received_unix_nano: int) -> dict:
     """One row as a column → value dict. Raises _Reject for a malformed record."""
     observed = _time(record.observed_time_unix_nano, "observed_time_unix_nano")
     time_ns = _time(record.time_unix_nano, "time_unix_nano") or observed or received_unix_nano
@@ -63,12 +63,21 @@ def _log_row(record, scope_name: str, resource: dict, resource_digest: bytes, re
             row[column] = resource["values"][column]
     row["resource_attributes"] = resource["all"] if promoted else resource["rest"]
     row["attributes"] = [(k, _dumps(_py(v))) for k, v in attrs.items() if k not in promoted]
-    # logs carry no id: the same record re-sent (at-least-once) hashes to the same record_id
-    digest = hashlib.blake2b(resource_digest, digest_size=16)
+    row["record_id"] = record_id(resource_hash, scope_name, record)
+    return row
+
+
+def resource_digest(resource_logs) -> bytes:
+    return hashlib.blake2b(resource_logs.resource.SerializeToString(deterministic=True), digest_size=16).digest()
+
+
+def record_id(resource_hash: bytes, scope_name: str, record) -> str:
+    """A log record's id: logs carry none, so the same record re-sent (at-least-once) hashes to the
+    same one (its resource's :func:`resource_digest`, its scope's name, the record)."""
+    digest = hashlib.blake2b(resource_hash, digest_size=16)
     digest.update(scope_name.encode())
     digest.update(record.SerializeToString(deterministic=True))
-    row["record_id"] = digest.hexdigest()
-    return row
+    return digest.hexdigest()
 
 
 def flatten_logs(request: ExportLogsServiceRequest, received_unix_nano: int) -> tuple[pa.Table, int, str | None]:
@@ -77,13 +86,12 @@ def flatten_logs(request: ExportLogsServiceRequest, received_unix_nano: int) -> 
     rejected, first_error = 0, None
     for r, resource_logs in enumerate(request.resource_logs):
         resource = _resource(resource_logs)
-        resource_digest = hashlib.blake2b(resource_logs.resource.SerializeToString(deterministic=True),
-                                          digest_size=16).digest()
+        digest = resource_digest(resource_logs)
         for s, scope_logs in enumerate(resource_logs.scope_logs):
             scope_name = scope_logs.scope.name
             for i, record in enumerate(scope_logs.log_records):
                 try:
-                    row = _log_row(record, scope_name, resource, resource_digest, received_unix_nano)
+                    row = _log_row(record, scope_name, resource, digest, received_unix_nano)
                 except (_Reject, ValueError, TypeError, OverflowError) as exc:
                     rejected += 1
                     if first_error is None:

@@ -21,6 +21,7 @@ request bytes they and gRPC hold share one budget (``max_inflight_bytes``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from lightspan import store
 from lightspan.core import web
-from lightspan.collector import httpd, jsonlog, reward_integrity, sqlpool
+from lightspan.collector import evaluations, httpd, jsonlog, reward_integrity, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_INFO_KEY, GrpcReceiver,
@@ -61,6 +62,8 @@ class Collector:
         self.data_dir = store.data_dir(config.data_dir)     # a Path, or an s3:// URL
         self.metrics = Metrics()
         self.rewards = RewardBook(self.data_dir, config.dedup_max_keys)
+        # one value per evaluation: a logs request's evaluation events are checked before the WAL
+        self.evaluation_book = evaluations.Book(self.data_dir, config.evaluation_label_values, config.dedup_max_keys)
         self.reward_key = b""        # keys the ids of posted rewards (reward_integrity.load_key), set by start()
         self._state_lock = threading.Lock()
         self._state = "new"           # new → running → stopped (→ running again)
@@ -95,6 +98,11 @@ class Collector:
     @property
     def queue_bytes(self) -> int:
         return self.writer.queue_bytes
+
+    @property
+    def evaluations_waiting(self) -> int:
+        """Evaluation events waiting for the span they evaluate (collector/evaluations.py)."""
+        return len(self.writer.evaluations.pending) if self.writer.evaluations else 0
 
     @property
     def running(self) -> bool:
@@ -205,14 +213,27 @@ class Collector:
         else:                    # log records are few: flattened here
             data, rejected, first_error = kind["flatten"](request, received)
             accepted, size, unusable, claims = data.num_rows, data.nbytes, None, 0
-        message = f"{rejected} of {total} {noun.replace('_', ' ')} rejected; first: {first_error}" if rejected else ""
-        if unusable:   # stored, but marked: an OTLP warning (rejected 0, a message)
-            message = "; ".join(m for m in (message, unusable) if m)
-        if accepted:
-            refused = self.writer.enqueue(signal, payload, data, received, rejected, size)
-            if refused is not None:
-                return self.refuse(*refused, signal)
-            self.metrics.add(f"{noun}_accepted_total", accepted)
+        book = self.evaluation_book if signal == "logs" and evaluations.has_events(data) else None
+        with book.lock if book else contextlib.nullcontext():   # one evaluation's key at a time
+            keys = {}
+            if book:
+                out, keys, why = book.conflicts(data, self.reward_key)
+                if out:      # another value for a stored evaluation: taken out before the WAL
+                    data, dropped = evaluations.drop_records(request, data, out)
+                    payload = LOGS_TAG + request.SerializeToString()
+                    accepted, size, rejected = data.num_rows, data.nbytes, rejected + dropped
+                    first_error = first_error or why
+                    self.metrics.add("evaluations_conflicting_total", dropped)
+            message = f"{rejected} of {total} {noun.replace('_', ' ')} rejected; first: {first_error}" if rejected else ""
+            if unusable:   # stored, but marked: an OTLP warning (rejected 0, a message)
+                message = "; ".join(m for m in (message, unusable) if m)
+            if accepted:
+                refused = self.writer.enqueue(signal, payload, data, received, rejected, size)
+                if refused is not None:
+                    return self.refuse(*refused, signal)
+                self.metrics.add(f"{noun}_accepted_total", accepted)
+                if book:
+                    book.remember(keys)
         if rejected:
             self.metrics.add(f"{noun}_rejected_total", rejected)
             log.debug("export: %s", message)

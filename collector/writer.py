@@ -28,7 +28,7 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan import store
-from lightspan.collector import dedup
+from lightspan.collector import dedup, evaluations, reward_integrity
 from lightspan.collector.storage import Bucket, Directory, writable
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
@@ -80,6 +80,7 @@ class Writer:
         self._pending: tuple[list, list[int]] | None = None  # what a failed flush left behind
         self.accepting = False
         self.wal: WAL | None = None
+        self.evaluations: evaluations.Rewards | None = None   # made by open()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         # per partitioned table: the keys written recently (under _flush_lock)
@@ -95,6 +96,12 @@ class Writer:
         writable(self.wal_dir, "wal_dir" if self.config.wal_dir else "data_dir")
         self.wal = WAL(self.wal_dir)
         self._seed_recent()
+        # evaluation events become rewards as they are flushed (collector/evaluations.py); those that
+        # waited for their span when the last run ended wait again
+        wait_s = min(self.config.evaluation_wait_s, self.config.dedup_window_s)
+        self.evaluations = evaluations.Rewards(self.data_dir, reward_integrity.load_key(self.data_dir),
+                                               self.config.evaluation_label_values, wait_s, self.metrics)
+        self.evaluations.recover(time.time_ns() - int(wait_s * 1e9))
         self._replay()
 
     def start(self) -> None:
@@ -111,7 +118,7 @@ class Writer:
         if self._thread is not None:
             self._thread.join()
         try:
-            self.flush_counts()
+            self.flush_counts(final=True)
         except Exception:
             log.exception("final flush failed; the data stays in the WAL and replays at the next start")
         self.wal.close()
@@ -146,8 +153,9 @@ class Writer:
             return Outcome.DISK, f"WAL fsync failed: {exc.strerror or exc}"
         return None
 
-    def flush_counts(self) -> dict[str, int]:
-        """Like :meth:`flush`; returns ``{"spans": n, "logs": m}`` rows written."""
+    def flush_counts(self, final: bool = False) -> dict[str, int]:
+        """Like :meth:`flush`; returns ``{"spans": n, "logs": m}`` rows written. ``final``: evaluations
+        still waiting for their span are stored now (the collector stops)."""
         with self._flush_lock:
             written = {"spans": 0, "logs": 0}
             if self.wal is None:
@@ -160,6 +168,8 @@ class Writer:
                 items, closed = self._pending[0] + items, self._pending[1] + closed
                 self._pending = None
             if not items and not closed:
+                if self.evaluations.pending or self.evaluations.ready:   # their span may be stored by now
+                    written["spans"] += self._write("traces", self._with_evaluations([], [], final))
                 return written
             # in chunks, each releasing its bytes from the queue once in Parquet: a writer that is
             # behind makes room for the receivers as it goes, not once per (long) flush
@@ -170,10 +180,13 @@ class Writer:
                     while end < len(items) and (end == done or size + items[end][-1] <= _FLUSH_CHUNK_BYTES):
                         size += items[end][-1]
                         end += 1
+                    chunk = {signal_: [self._rows(data, received, rejected)
+                                       for s, data, received, rejected, _ in items[done:end] if s == signal_]
+                             for signal_ in SIGNALS}
+                    chunk["traces"] = self._with_evaluations(chunk["traces"], chunk["logs"],
+                                                             final and end == len(items))
                     for signal_, kind in SIGNALS.items():
-                        tables = [self._rows(data, received, rejected)
-                                  for s, data, received, rejected, _ in items[done:end] if s == signal_]
-                        written[kind["table"]] += self._write(signal_, tables)
+                        written[kind["table"]] += self._write(signal_, chunk[signal_])
                     with self._lock:
                         self.queue_bytes -= size
                     done = end
@@ -209,6 +222,12 @@ class Writer:
             log.error("an acknowledged request flattened with %d spans rejected, %d when checked; first: %s",
                       flattened_rejected, rejected, first_error)
         return table
+
+    def _with_evaluations(self, span_tables: list[pa.Table], log_tables: list[pa.Table], final: bool) -> list[pa.Table]:
+        """``span_tables`` and the reward rows of the evaluation events among these rows and of those
+        that waited for their span (collector/evaluations.py)."""
+        rewards = self.evaluations.rows(span_tables, log_tables, final=final)
+        return span_tables if rewards is None else [*span_tables, rewards]
 
     def _write(self, signal: str, tables: list[pa.Table]) -> int:
         """One Parquet file per UTC date, sorted by rollout and time, without the rows whose key
@@ -280,10 +299,12 @@ class Writer:
             tables[signal_].append(table)
             batch_bytes += table.nbytes
             if batch_bytes >= _REPLAY_BATCH_BYTES:
+                tables["traces"] = self._with_evaluations(tables["traces"], tables["logs"], False)
                 for name in SIGNALS:
                     counts[name] += self._write_replayed(name, tables[name], stored)
                     tables[name] = []
                 batch_bytes = 0
+        tables["traces"] = self._with_evaluations(tables["traces"], tables["logs"], False)
         for name in SIGNALS:
             counts[name] += self._write_replayed(name, tables[name], stored)
         self.wal.delete(segments)

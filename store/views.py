@@ -156,6 +156,23 @@ _MACROS = [
 ]
 _DERIVED = {
     "pass_at_k": "SELECT * FROM pass_k()",
+    # every gen_ai.evaluation.result event the collector made a reward of (collector/evaluations.py):
+    # value null = a label without a value, stored and not trained on (not in the rewards view)
+    "evaluations": f"""
+        SELECT coalesce(rollout_id, trace_id) AS rollout_key, rollout_id, task_id,
+               coalesce(reward_name, 'reward') AS name, reward AS value,
+               json_extract_string(attributes['gen_ai.evaluation.score.label'], '$') AS label,
+               TRY_CAST(attributes['gen_ai.evaluation.score.value'] AS DOUBLE) AS score,
+               json_extract_string(attributes['lightspan.reward.comment'], '$') AS explanation,
+               json_extract_string(attributes['lightspan.reward.source'], '$') AS source,
+               json_extract_string(attributes['lightspan.reward.evaluator'], '$') AS evaluator,
+               json_extract_string(attributes['lightspan.reward.evaluated.trace_id'], '$') AS evaluated_trace_id,
+               json_extract_string(attributes['lightspan.reward.evaluated.span_id'], '$') AS evaluated_span_id,
+               json_extract_string(attributes['lightspan.reward.call_span_id'], '$') AS call_span_id,
+               json_extract_string(attributes['gen_ai.response.id'], '$') AS response_id,
+               end_time_unix_nano AS time_unix_nano,
+               coalesce(received_unix_nano, end_time_unix_nano) AS received_unix_nano
+        FROM spans WHERE scope_name = '{REWARD_SCOPE}' AND attributes['gen_ai.evaluation.name'] IS NOT NULL""",
     # one row per rollout and named policy that served one of its calls: that policy's versions
     # among them (a policy's calls of one rollout may span a sync) and the rollout's outcome
     "policy_rollouts": """

@@ -40,6 +40,25 @@ LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_c
 The store's ``llm_calls`` view holds its own copy (``store.views.LLM_OPERATIONS``: the store imports
 no other part), which tests/test_layers.py pins equal to this one."""
 SERVICE_NAME = "service.name"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+"""The provider's id of one completion (``chatcmpl-…``): how an evaluation names the call it scores
+when it cannot be parented to the call's span."""
+
+# --- GenAI evaluation events: rewards from any evaluator (collector/evaluations.py) -------------
+GEN_AI_EVALUATION_RESULT = "gen_ai.evaluation.result"
+"""The event (an OTLP log record's ``event_name``, or a span event's name) that carries one
+evaluation of a GenAI operation: parented to the evaluated span, or naming :data:`GEN_AI_RESPONSE_ID`."""
+GEN_AI_EVALUATION_NAME = "gen_ai.evaluation.name"
+"""What was evaluated (required): ``Relevance``, ``correctness``; it becomes the reward's name."""
+GEN_AI_EVALUATION_SCORE_VALUE = "gen_ai.evaluation.score.value"
+"""The evaluation's number: the reward's value."""
+GEN_AI_EVALUATION_SCORE_LABEL = "gen_ai.evaluation.score.label"
+"""The evaluation's label (``relevant``, ``pass``); without a value it trains only where the
+collector's ``evaluation_label_values`` gives it one."""
+GEN_AI_EVALUATION_EXPLANATION = "gen_ai.evaluation.explanation"
+"""Why the evaluator scored so: the reward's comment."""
+ERROR_TYPE = "error.type"
+"""OTel's error class; on an evaluation event: the evaluation failed, and makes no reward."""
 
 # --- lightspan: what RL needs on top ---------------------------------------------------------
 ROLLOUT_ID = "lightspan.rollout.id"
@@ -85,8 +104,10 @@ REWARD_NAME = "lightspan.reward.name"
 """Names the reward (``lightspan.reward.name``); the default name is ``reward``."""
 REWARD_SOURCE = "lightspan.reward.source"
 """Who gave the reward: ``agent`` (a reward span the agent emitted; the default), ``judge``
-(``lightspan reward judge``), ``human`` (the web UI) or ``api`` (any other ``POST /v1/rewards``).
-Only the collector's API sets it: on a span sent over OTLP it is set aside (:data:`REWARD_CLAIMED_SOURCE`)."""
+(``lightspan reward judge``), ``human`` (the web UI), ``api`` (any other ``POST /v1/rewards``), or the
+``service.name`` of the evaluator whose ``gen_ai.evaluation.result`` event the collector made it of
+(collector/evaluations.py). Only the collector sets it: on a span sent over OTLP it is set aside
+(:data:`REWARD_CLAIMED_SOURCE`)."""
 REWARD_CLAIMED_SOURCE = "lightspan.reward.claimed_source"
 """Set by the collector: the :data:`REWARD_SOURCE` an OTLP span claimed, set aside. Only rewards
 posted to the collector's API have a source other than ``agent`` (collector/reward_integrity.py)."""
@@ -100,6 +121,13 @@ REWARD_JUDGE_MODEL = "lightspan.reward.judge.model"
 """The model that judged (source ``judge``)."""
 REWARD_RUBRIC_SHA256 = "lightspan.reward.rubric.sha256"
 """The SHA-256 of the rubric file the judge scored against (source ``judge``)."""
+REWARD_EVALUATOR = "lightspan.reward.evaluator"
+"""On a reward the collector made of a :data:`GEN_AI_EVALUATION_RESULT` event: the ``service.name``
+of the process that emitted the event (its source is that name, or ``agent``: collector/evaluations.py)."""
+REWARD_EVALUATED_TRACE_ID = "lightspan.reward.evaluated.trace_id"
+"""On a reward made of an evaluation event: the hex trace id of the span it evaluated."""
+REWARD_EVALUATED_SPAN_ID = "lightspan.reward.evaluated.span_id"
+"""On a reward made of an evaluation event: the hex span id of the span it evaluated."""
 ROLLOUT_EXIT_CODE = "lightspan.rollout.exit_code"
 """The agent process's exit code, on the runner's outcome span."""
 ROLLOUT_OUTCOME = "lightspan.rollout.outcome"
