@@ -1,6 +1,8 @@
 """The store: the data contract every reader and writer of lightspan's data shares.
 
 - :mod:`~lightspan.store.layout` — the data directory and what lives where in it;
+- :mod:`~lightspan.store.location` — a data location, a directory or ``s3://bucket/prefix``, as one
+  type (``Location.of(path)``): its files listed, read, put atomically, deleted;
 - :mod:`~lightspan.store.policy` — ``policy.json``, the served policy version (one writer, one reader);
 - :mod:`~lightspan.store.schema` — the Parquet schemas of spans, logs, transitions, train steps;
 - :mod:`~lightspan.store.files` — which files hold a table's rows; atomic writes;
@@ -9,8 +11,8 @@
 
 The collector is the only writer of spans and logs; every reader opens DuckDB views over the
 Parquet files, so none waits on a writer's lock. Importing the store never pulls in the
-receivers, gRPC or a web server. ``layout`` and ``policy`` need only the standard library (the
-rollout runner reads the served version inside an agent's environment); the names below that need
+receivers, gRPC or a web server. ``layout``, ``location`` and ``policy`` need only the standard
+library (the rollout runner reads the served version inside an agent's environment); the names below that need
 pyarrow or duckdb are imported on first use.
 """
 
@@ -21,6 +23,7 @@ import importlib
 from lightspan.store import policy
 from lightspan.store.layout import (DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir, is_remote, join, read_text,
                                     write_text)
+from lightspan.store.location import Location
 
 # name -> module: pyarrow and duckdb load when one of these is first used, not at import
 _LAZY = {
@@ -32,7 +35,7 @@ _LAZY = {
     "quote": "views", "quote_list": "views",
 }
 
-__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "join", "read_text", "write_text", "policy", *_LAZY]
+__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "join", "read_text", "write_text", "Location", "policy", *_LAZY]
 
 
 def __getattr__(name: str):

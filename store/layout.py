@@ -8,10 +8,12 @@
     train_steps/part-*.parquet                 written by ``lightspan train``
     policy.json                                the served policy (lightspan.store.policy)
     wal/                                       the collector's write-ahead log
+    rollout-logs/, checkpoints/                each rollout's output; the trainer's checkpoints
 
 A data location may also be an S3-compatible bucket, ``s3://bucket/prefix`` (lightspan.store.objects):
 the same tables and ``policy.json`` as objects under the prefix; the collector's WAL stays on its
 local disk (its ``wal_dir``), and each collector writes under ``TABLE/collector=<id>/date=…/``.
+Every part reaches a location's files through :class:`lightspan.store.location.Location`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ DEFAULT_DATA_DIR = "./lightspan-data"
 REMOTE_SCHEME = "s3://"
 WAL_DIR = "wal"
 ROLLOUT_LOGS_DIR = "rollout-logs"
+CHECKPOINTS_DIR = "checkpoints"
 
 
 def is_remote(location: str | os.PathLike | None) -> bool:
@@ -32,9 +35,24 @@ def is_remote(location: str | os.PathLike | None) -> bool:
     return isinstance(location, str) and location.startswith(REMOTE_SCHEME)
 
 
-def data_dir(path: str | os.PathLike | None = None) -> Path | str:
+def bucket_path(url: str) -> str:
+    """``s3://bucket/key`` → ``bucket/key``, the path pyarrow's S3 filesystem takes."""
+    if not is_remote(url):
+        raise ValueError(f"{url!r} is not an {REMOTE_SCHEME}bucket/prefix URL")
+    path = str(url)[len(REMOTE_SCHEME):].strip("/")
+    if not path or path.startswith("/"):
+        raise ValueError(f"{url!r} names no bucket: use {REMOTE_SCHEME}BUCKET/PREFIX")
+    return path
+
+
+def data_dir(path=None) -> Path | str:
     """The data location: ``path``, else ``$LIGHTSPAN_DATA_DIR``, else ``./lightspan-data``. A
-    directory is a ``Path``; a bucket stays its ``s3://bucket/prefix`` string (never a local path)."""
+    directory is a ``Path``; a bucket stays its ``s3://bucket/prefix`` string (never a local path);
+    a :class:`~lightspan.store.location.Location` gives its root."""
+    from lightspan.store.location import Location
+
+    if isinstance(path, Location):
+        return path.root
     location = path or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
     if is_remote(location):
         return location.rstrip("/")

@@ -123,8 +123,12 @@ def _where() -> str:
     return f"endpoint {shown}; credentials from the AWS environment or ~/.aws"
 
 
-def _named(url: str, exc: OSError) -> OSError:
+def named(url: str, exc: OSError) -> OSError:
+    """``exc`` again, its message naming ``url`` and the endpoint (without credentials)."""
     return type(exc)(redact(f"{url}: {exc} ({_where()})"))
+
+
+_named = named
 
 
 def list_files(url: str) -> list[Entry]:
