@@ -135,7 +135,7 @@ def reward_request(doc, now_unix_nano: int, secret: bytes) -> tuple[ExportTraceS
         attrs = [(sc.ROLLOUT_ID, rollout_id), (sc.REWARD, value), (sc.REWARD_NAME, name)]
         attrs += [(k, v) for k, v in ((sc.TASK_ID, task_id), (REWARD_ID, key)) if v is not None]
         attrs += [(_REWARD_TEXT[k][0], v) for k, v in extra.items()]
-        for attr, attr_value in attrs:
+        for attr, attr_value in sc.genai(dict(attrs)).items():
             kv = span.attributes.add(key=attr)
             if isinstance(attr_value, float):
                 kv.value.double_value = attr_value

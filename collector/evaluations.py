@@ -316,16 +316,16 @@ def reward_request(evaluations: list[Evaluation], secret: bytes,
         evaluated_trace, evaluated_span = ev.evaluated
         span = scope.spans.add(trace_id=trace_id, span_id=span_id, name=sc.SPAN_REWARD, kind=1,
                                start_time_unix_nano=ev.time_ns, end_time_unix_nano=ev.time_ns)
-        for key, value in ((sc.ROLLOUT_ID, ev.rollout_id), (sc.TASK_ID, ev.task_id), (sc.SPLIT, ev.split),
-                           (sc.REWARD, value_of(ev, label_values)), (sc.REWARD_NAME, ev.name),
-                           (sc.REWARD_SOURCE, source(ev)), (sc.REWARD_EVALUATOR, ev.emitter or None),
-                           # a rollout's agent or root span scored: the whole rollout's reward
-                           (sc.REWARD_CALL_SPAN_ID, evaluated_span if ev.is_call is not False else None),
-                           (sc.REWARD_COMMENT, ev.explanation), (sc.GEN_AI_EVALUATION_NAME, ev.name),
-                           (sc.GEN_AI_EVALUATION_SCORE_VALUE, ev.value),
-                           (sc.GEN_AI_EVALUATION_SCORE_LABEL, ev.label), (sc.GEN_AI_RESPONSE_ID, ev.response_id),
-                           (sc.REWARD_EVALUATED_TRACE_ID, evaluated_trace),
-                           (sc.REWARD_EVALUATED_SPAN_ID, evaluated_span)):
+        attrs = {sc.ROLLOUT_ID: ev.rollout_id, sc.TASK_ID: ev.task_id, sc.SPLIT: ev.split,
+                 sc.REWARD: value_of(ev, label_values), sc.REWARD_NAME: ev.name, sc.REWARD_SOURCE: source(ev),
+                 sc.REWARD_EVALUATOR: ev.emitter or None,
+                 # a rollout's agent or root span scored: the whole rollout's reward
+                 sc.REWARD_CALL_SPAN_ID: evaluated_span if ev.is_call is not False else None,
+                 sc.REWARD_COMMENT: ev.explanation, sc.GEN_AI_EVALUATION_NAME: ev.name,
+                 sc.GEN_AI_EVALUATION_SCORE_VALUE: ev.value, sc.GEN_AI_EVALUATION_SCORE_LABEL: ev.label,
+                 sc.GEN_AI_RESPONSE_ID: ev.response_id, sc.REWARD_EVALUATED_TRACE_ID: evaluated_trace,
+                 sc.REWARD_EVALUATED_SPAN_ID: evaluated_span}
+        for key, value in sc.genai({k: v for k, v in attrs.items() if v is not None}).items():
             _set(span, key, value)
     return request
 

@@ -143,7 +143,7 @@ def _choices(value: AnyValue, key: str) -> tuple[bytes | None, int]:
 
 
 # (attribute, column, converter): the first attribute that converts fills the column, so a
-# GenAI-convention name wins over the older name that follows it.
+# GenAI-convention name (v0.1.0) wins over the older name that follows it (semconv.RENAMED).
 _PROMOTED = [
     (sc.ROLLOUT_ID, "rollout_id", _str),
     (sc.TASK_ID, "task_id", _str),
@@ -159,6 +159,13 @@ _PROMOTED = [
     (sc.GEN_AI_USAGE_COMPLETION_TOKENS, "output_tokens", _int),
     (sc.GEN_AI_RESPONSE_FINISH_REASONS, "finish_reasons", _str_list),
     (sc.GEN_AI_AGENT_NAME, "agent_name", _str),
+    (sc.GEN_AI_WORKFLOW_NAME, "agent_name", _str),       # an invoke_workflow span's, before v0.1.0
+    (sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, "cache_read_input_tokens", _int),
+    (sc.RENAMED[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS], "cache_read_input_tokens", _int),
+    (sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS, "cache_creation_input_tokens", _int),
+    (sc.RENAMED[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS], "cache_creation_input_tokens", _int),
+    (sc.GEN_AI_USAGE_REASONING_OUTPUT_TOKENS, "reasoning_output_tokens", _int),
+    (sc.RENAMED[sc.GEN_AI_USAGE_REASONING_OUTPUT_TOKENS], "reasoning_output_tokens", _int),
     (sc.GEN_AI_INPUT_MESSAGES, "input_messages", _str),
     (sc.GEN_AI_OUTPUT_MESSAGES, "output_messages", _str),
     (sc.PROMPT_TOKEN_IDS, "prompt_token_ids", _packed),

@@ -226,6 +226,7 @@ _SPANS_SQL = f"""
 SELECT trace_id, span_id, parent_span_id, name, kind, service_name, scope_name,
        start_time_unix_nano, end_time_unix_nano, status_code, status_message, rollout_id, task_id, split,
        operation_name, request_model, response_model, temperature, input_tokens, output_tokens,
+       cache_read_input_tokens, reasoning_output_tokens,
        finish_reasons, agent_name, input_messages, output_messages, len(prompt_token_ids) AS num_prompt_tokens,
        completion_token_ids, completion_logprobs, model_version, capture_status, reward, reward_name,
        attributes, events

@@ -115,7 +115,8 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
         # the files' token lists decode in the background while DuckDB reads the light columns
         con.execute(SPANS_SQL.format(source=source, where=where),
                     {"runner": semconv.SPAN_RUNNER, "outcome": semconv.ROLLOUT_OUTCOME,
-                     "invoke_agent": semconv.OPERATION_INVOKE_AGENT, "tl_kind": semconv.TRACELOOP_SPAN_KIND,
+                     "invoke_agent": semconv.OPERATION_INVOKE_AGENT,
+                     "invoke_workflow": semconv.OPERATION_INVOKE_WORKFLOW, "tl_kind": semconv.TRACELOOP_SPAN_KIND,
                      "tl_entity": semconv.TRACELOOP_ENTITY_NAME, "reward_call": semconv.REWARD_CALL_SPAN_ID})
         read, newest = con.execute("SELECT count(*), max(received_unix_nano) FROM _lrl_spans").fetchall()[0]
         con.execute(DEDUP_SQL)

@@ -32,7 +32,10 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
        s.operation_name, s.capture_status, s.finish_reasons[1] AS finish_reason, s.service_name,
        -- the agent this span names, if it is an agent span (step 3)
        coalesce(s.agent_name,
-                CASE WHEN s.operation_name = $invoke_agent THEN nullif(trim(substr(s.name, 13)), '') END,
+                -- an invoke_agent span (or, before GenAI conventions v0.1.0, invoke_workflow) named
+                -- "<operation> <name>"
+                CASE WHEN s.operation_name IN ($invoke_agent, $invoke_workflow)
+                     THEN nullif(trim(substr(s.name, length(s.operation_name) + 1)), '') END,
                 CASE WHEN s.attributes[$tl_kind] = '"agent"' THEN trim(s.attributes[$tl_entity], '"') END
        ) AS agent_label,
        CASE WHEN s.attributes[$tl_kind] = '"task"' THEN trim(s.attributes[$tl_entity], '"') END AS task_label,

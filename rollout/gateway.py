@@ -268,8 +268,8 @@ class Gateway:
     def _traced(self, request: web.Request, ex: Exchange, ids: dict) -> web.Response | None:
         model = str(ex.asked.get("model", ""))
         op = urls.OPERATION[ex.api]
-        attrs = {semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
-                 semconv.GEN_AI_SYSTEM: ex.system, **ids}
+        attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
+                               semconv.GEN_AI_PROVIDER_NAME: ex.system, **ids})
         if self.cfg.capture_content:
             try:
                 attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(ex.inputs())

@@ -101,7 +101,7 @@ def record_outcome(shipper: Shipper, split: str, o: Outcome) -> None:
     if d is not None and d.spool:
         attrs.update({semconv.ROLLOUT_SPANS_SPOOLED: d.spooled, semconv.ROLLOUT_SPANS_LOST: d.lost,
                       semconv.ROLLOUT_SPANS_DAMAGED: d.damaged})
-    span = runner_span(attrs, o.start_ns, o.end_ns, None if outcome == "ok" else f"rollout {outcome}")
+    span = runner_span(semconv.genai(attrs), o.start_ns, o.end_ns, None if outcome == "ok" else f"rollout {outcome}")
     if not shipper.export([span]):
         o.delivery = d = d or Delivery(spool=False)
         d.lost += 1

@@ -34,6 +34,11 @@ SPAN_SCHEMA = pa.schema([
     ("temperature", pa.float64()),           # gen_ai.request.temperature; null = the server's default
     ("input_tokens", pa.int64()),
     ("output_tokens", pa.int64()),
+    # of those: served from the provider's prompt cache, written to it, spent reasoning
+    # (gen_ai.usage.cache_read.input_tokens, …: v0.1.0 names, or the older cache_read_input_tokens, …)
+    ("cache_read_input_tokens", pa.int64()),
+    ("cache_creation_input_tokens", pa.int64()),
+    ("reasoning_output_tokens", pa.int64()),
     ("finish_reasons", pa.list_(pa.string())),
     ("agent_name", pa.string()),
     ("input_messages", pa.string()),         # JSON text as the instrumentation wrote it

@@ -60,7 +60,7 @@ class rollout:  # noqa: N801 (used like a function: ``with rollout(...)`` / ``@r
         if self.split:
             attrs[semconv.SPLIT] = self.split
         attrs.update(self.attributes)
-        return attrs
+        return semconv.genai(attrs)
 
     def _span(self):
         return trace.get_tracer(_TRACER_NAME).start_as_current_span(semconv.SPAN_ROLLOUT, attributes=self._attributes())

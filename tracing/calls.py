@@ -280,8 +280,8 @@ _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_r
 
 def _start_attributes(api: str, library: str, model: str, body: dict, content: list) -> dict:
     """A span of our own's start attributes (``content`` gets True when they hold the messages)."""
-    attrs = {semconv.GEN_AI_OPERATION_NAME: urls.OPERATION[api], semconv.GEN_AI_REQUEST_MODEL: model,
-             semconv.GEN_AI_SYSTEM: _SYSTEMS[library]}
+    attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: urls.OPERATION[api], semconv.GEN_AI_REQUEST_MODEL: model,
+                           semconv.GEN_AI_PROVIDER_NAME: _SYSTEMS[library]})
     if content_on():
         content.append(True)
         try:

@@ -44,6 +44,82 @@ GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 """The provider's id of one completion (``chatcmpl-…``): how an evaluation names the call it scores
 when it cannot be parented to the call's span."""
 
+# --- GenAI conventions v0.1.0 (open-telemetry/semantic-conventions-genai) and the older names -----
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+"""v0.1.0's name of :data:`GEN_AI_SYSTEM` (``openai``, ``anthropic``)."""
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+"""v0.1.0: the session a call belongs to; on lightspan's own spans, the rollout (one episode)."""
+GEN_AI_WORKFLOW_NAME = "gen_ai.workflow.name"
+"""Before v0.1.0, the name on an ``invoke_workflow`` span; v0.1.0 merged that span into
+``invoke_agent`` with :data:`GEN_AI_AGENT_NAME`. Read as the agent's name."""
+GEN_AI_AGENT_ID = "gen_ai.agent.id"
+OPERATION_INVOKE_WORKFLOW = "invoke_workflow"
+"""The older operation of a workflow span: read as :data:`OPERATION_INVOKE_AGENT`."""
+OPERATION_EXECUTE_TOOL = "execute_tool"
+GEN_AI_TOOL_NAME = "gen_ai.tool.name"
+GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+"""An int in v0.1.0, a double before it."""
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS = "gen_ai.usage.cache_creation.input_tokens"
+GEN_AI_USAGE_REASONING_OUTPUT_TOKENS = "gen_ai.usage.reasoning.output_tokens"
+RENAMED = {
+    GEN_AI_PROVIDER_NAME: GEN_AI_SYSTEM,
+    GEN_AI_USAGE_INPUT_TOKENS: GEN_AI_USAGE_PROMPT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS: GEN_AI_USAGE_COMPLETION_TOKENS,
+    GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: "gen_ai.usage.cache_read_input_tokens",
+    GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS: "gen_ai.usage.cache_creation_input_tokens",
+    GEN_AI_USAGE_REASONING_OUTPUT_TOKENS: "gen_ai.usage.reasoning_tokens",
+    GEN_AI_AGENT_NAME: GEN_AI_WORKFLOW_NAME,
+}
+"""Each v0.1.0 name and the older name traceloop's 0.62 instrumentations and most agents in the
+field write for it; every reader reads both, the v0.1.0 name first (collector/otlp.py). A writer
+(:func:`genai`) writes the older name only where lightspan wrote it before: ``gen_ai.system``."""
+_WRITTEN_OLD = {GEN_AI_PROVIDER_NAME: GEN_AI_SYSTEM}
+_NEW_ONLY = frozenset({GEN_AI_CONVERSATION_ID})
+SEMCONV_OPT_IN_ENV = "OTEL_SEMCONV_STABILITY_OPT_IN"
+GENAI_LATEST = "gen_ai_latest_experimental"
+"""The value of :data:`SEMCONV_OPT_IN_ENV` (comma-separated with other signals') with which the OTel
+instrumentations write the current GenAI names instead of the older ones; lightspan too."""
+GENAI_LATEST_DUP = "gen_ai_latest_experimental/dup"
+"""Both the older and the current names, as ``http/dup`` and ``database/dup`` do for theirs."""
+
+
+def genai_names(environ=None) -> tuple[bool, bool]:
+    """(write the older names, write the v0.1.0 names), as ``OTEL_SEMCONV_STABILITY_OPT_IN`` asks:
+    unset, the older ones (the OTel instrumentations' default); :data:`GENAI_LATEST`, the new ones;
+    :data:`GENAI_LATEST_DUP`, both."""
+    import os
+
+    values = {v.strip() for v in (os.environ if environ is None else environ).get(SEMCONV_OPT_IN_ENV, "").split(",")}
+    if GENAI_LATEST_DUP in values:
+        return True, True
+    return (False, True) if GENAI_LATEST in values else (True, False)
+
+
+def genai(attrs: dict, environ=None) -> dict:
+    """The attributes of a span lightspan makes (given in v0.1.0 names) in the names
+    :func:`genai_names` asks for; with the new names, a span that carries :data:`ROLLOUT_ID` also
+    carries it as :data:`GEN_AI_CONVERSATION_ID` (a rollout is one session), and
+    :data:`GEN_AI_REQUEST_TOP_K` is an int (a double in the older names)."""
+    old, new = genai_names(environ)
+    out = {}
+    for key, value in attrs.items():
+        older = _WRITTEN_OLD.get(key)
+        if key == GEN_AI_REQUEST_TOP_K:
+            out[key] = int(value) if new else float(value)
+        elif older is not None:
+            if new:
+                out[key] = value
+            if old:
+                out[older] = value
+        elif new or key not in _NEW_ONLY:
+            out[key] = value
+    if new and attrs.get(ROLLOUT_ID) is not None and GEN_AI_CONVERSATION_ID not in attrs:
+        out[GEN_AI_CONVERSATION_ID] = str(attrs[ROLLOUT_ID])
+    return out
+
+
 # --- GenAI evaluation events: rewards from any evaluator (collector/evaluations.py) -------------
 GEN_AI_EVALUATION_RESULT = "gen_ai.evaluation.result"
 """The event (an OTLP log record's ``event_name``, or a span event's name) that carries one

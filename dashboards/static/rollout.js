@@ -12,6 +12,8 @@ function callCard(span, doc) {
     el("span", {text: `model ${span.response_model || span.request_model || "—"}`}),
     el("span", {text: `policy version ${fmt(span.model_version)}`}),
     el("span", {text: `tokens in/out ${fmt(span.num_prompt_tokens ?? span.input_tokens)} / ${fmt((span.completion_token_ids || []).length || span.output_tokens)}`}),
+    span.cache_read_input_tokens != null ? el("span", {class: "cached", text: `cached in ${fmt(span.cache_read_input_tokens)}`}) : "",
+    span.reasoning_output_tokens != null ? el("span", {class: "reasoning", text: `reasoning out ${fmt(span.reasoning_output_tokens)}`}) : "",
     el("span", {class: "matched-reward", text: `reward matched ${span.matched_reward === null || span.matched_reward === undefined ? "—" : span.matched_reward.toFixed(3)}`}),
     el("span", {class: "credit", text: t ? `credit ${fixed(t.credit)} (${t.credit_policy})` : "no transition built"}),
     t ? el("span", {class: "advantage", text: `advantage ${fixed(t.advantage)} (${t.advantage_estimator})`}) : "",
