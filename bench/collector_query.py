@@ -152,15 +152,14 @@ def bucket_queries(root: str, local, repeat: int) -> bool:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.s3server import S3Server, aws_environment
 
-    from lightspan.store import objects
-
     server = S3Server(Path(root) / "s3.log").start()
     try:
         with aws_environment(server.env):
             location = server.create_bucket("bench") + "/lightspan"
+            where = store.Location.of(location)
             start = time.perf_counter()
             for path in sorted(Path(root, "spans").rglob("*.parquet")):
-                objects.put_bytes(f"{location}/spans/{path.relative_to(Path(root, 'spans'))}", path.read_bytes())
+                where.put_bytes(f"spans/{path.relative_to(Path(root, 'spans')).as_posix()}", path.read_bytes())
             print(f"uploaded in {time.perf_counter() - start:.1f} s")
             requests = lambda: len((Path(root) / "s3.log").read_text().splitlines())  # noqa: E731
             c_best, c_med, con = timed(lambda: store.connect(location), repeat)

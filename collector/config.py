@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from lightspan.collector.jsonlog import FORMATS
 from lightspan.core.config import ConfigError, is_loopback, option
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, WAL_DIR, is_remote
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, WAL_DIR
+from lightspan.store.location import Location
 
 SECTION = "collector"
 MiB = 1 << 20
@@ -164,11 +165,11 @@ class CollectorConfig:
 
         if not isinstance(self.data_dir, str) or not self.data_dir.strip():
             fail("data_dir", f"{self.data_dir!r} is not a directory path", "give a writable directory")
-        if is_remote(self.data_dir):
+        if Location(self.data_dir).local(WAL_DIR) is None:     # a bucket: the WAL is on a local disk all the same
             if not self.wal_dir:
                 fail("wal_dir", f"data_dir {self.data_dir!r} is a bucket, and the WAL must be on a local disk",
                      "set collector.wal_dir (LIGHTSPAN_COLLECTOR_WAL_DIR) to a local directory, e.g. /var/lib/lightspan/wal")
-            if is_remote(self.wal_dir):
+            if Location(self.wal_dir).local() is None:
                 fail("wal_dir", f"{self.wal_dir!r} is a bucket; the WAL is fsynced on every export",
                      "give a local directory")
         if self.collector_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", self.collector_id):

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lightspan import store
+from lightspan.store.files import partitions
 
 log = logging.getLogger(__name__)
 
@@ -90,46 +91,38 @@ class RecentKeys:
         self._current.update(keys)
 
 
-def recent_files(root: Path, table_name: str, since_epoch_s: float) -> list[Path]:
-    """The committed Parquet files of ``table_name`` modified at ``since_epoch_s`` or later."""
-    base = root / table_name
-    if not base.is_dir():
-        return []
-    found = []
-    for path in base.glob("date=*/part-*.parquet"):
-        try:
-            if path.stat().st_mtime >= since_epoch_s:
-                found.append(path)
-        except FileNotFoundError:
-            continue
-    return sorted(found)
+def recent_files(where: store.Location, base: str, since_epoch_s: float) -> list[str]:
+    """The keys of the Parquet files of the partitions under ``base`` written at ``since_epoch_s``
+    or later (read back further by the location's clock slack: an object's time is the bucket's)."""
+    since = since_epoch_s - where.mtime_slack_s
+    return sorted(f"{base}/{partition}/{name}" for partition, entries in partitions(where, base).items()
+                  for name, entry in entries.items()
+                  if name.startswith("part-") and name.endswith(".parquet") and entry.mtime >= since)
 
 
-def _listing(files: list[Path]) -> str:
-    return ", ".join(store.quote(str(f)) for f in files)
-
-
-def _connect(files: list) -> duckdb.DuckDBPyConnection:
-    """A one-thread connection that can read ``files`` (``s3://`` objects too)."""
+def _connect(where: store.Location) -> duckdb.DuckDBPyConnection:
+    """A one-thread connection that can read the files of ``where`` by name."""
     con = duckdb.connect()
     con.execute("SET threads = 1")
-    if any(store.is_remote(str(f)) for f in files):
-        from lightspan.store import objects
-
-        objects.register(con)
+    where.register(con)
     return con
 
 
-def load_keys(table_name: str, files: list[Path], *, received_since_ns: int = 0, limit: int | None = None) -> list:
-    """The keys stored in ``files`` of rows received at ``received_since_ns`` or later, newest
-    first, at most ``limit`` (read with DuckDB: only three columns are decoded)."""
+def _listing(where: store.Location, files: list[str]) -> str:
+    return store.quote_list(str(where.name(f)) for f in files)
+
+
+def load_keys(table_name: str, where: store.Location, files: list[str], *, received_since_ns: int = 0,
+              limit: int | None = None) -> list:
+    """The keys stored in ``files`` (keys of ``where``) of rows received at ``received_since_ns``
+    or later, newest first, at most ``limit`` (read with DuckDB: only three columns are decoded)."""
     if not files:
         return []
     columns = ", ".join(KEY_COLUMNS[table_name])
-    con = _connect(files)
+    con = _connect(where)
     try:
         table = con.sql(
-            f"SELECT {columns} FROM read_parquet([{_listing(files)}], hive_partitioning=false, union_by_name=true) "
+            f"SELECT {columns} FROM read_parquet({_listing(where, files)}, hive_partitioning=false, union_by_name=true) "
             f"WHERE received_unix_nano >= $since ORDER BY received_unix_nano DESC"
             + (f" LIMIT {int(limit)}" if limit is not None else ""), params={"since": received_since_ns}).to_arrow_table()
     finally:
@@ -137,17 +130,17 @@ def load_keys(table_name: str, files: list[Path], *, received_since_ns: int = 0,
     return row_keys(table_name, table)
 
 
-def drop_stored(table_name: str, table: pa.Table, files: list[Path]) -> pa.Table:
-    """``table`` without the rows whose key is in ``files`` (an anti-join in DuckDB, which spills
-    to disk rather than hold a large file's keys in memory)."""
+def drop_stored(table_name: str, table: pa.Table, where: store.Location, files: list[str]) -> pa.Table:
+    """``table`` without the rows whose key is in ``files`` (keys of ``where``; an anti-join in
+    DuckDB, which spills to disk rather than hold a large file's keys in memory)."""
     if not files or not table.num_rows:
         return table
     columns = ", ".join(KEY_COLUMNS[table_name])
-    con = _connect(files)
+    con = _connect(where)
     try:
         con.register("batch", table)
         return con.sql(
-            f"SELECT * FROM batch ANTI JOIN (SELECT {columns} FROM read_parquet([{_listing(files)}], "
+            f"SELECT * FROM batch ANTI JOIN (SELECT {columns} FROM read_parquet({_listing(where, files)}, "
             f"hive_partitioning=false, union_by_name=true)) USING ({columns})").to_arrow_table().cast(table.schema)
     finally:
         con.close()

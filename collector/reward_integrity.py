@@ -28,14 +28,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
-from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from lightspan import store
 from lightspan.collector.outcomes import CollectorError
-from lightspan.store import layout
 from lightspan.store.schema import REWARD_SCOPE
 
 log = logging.getLogger(__name__)
@@ -46,36 +44,29 @@ table directory, so the SQL endpoint cannot read it)."""
 _KEY_BYTES = 32
 
 
-def load_key(location: Path | str) -> bytes:
-    """The data location's reward-id secret, created on first use (the first writer's wins).
+def load_key(location) -> bytes:
+    """The data location's reward-id secret, created on first use (the first writer's wins on disk;
+    in a bucket, where two collectors may start at once on an empty prefix, the one read back).
     Raises :class:`CollectorError` naming the file when it cannot be read, written or used."""
-    path = layout.join(location, KEY_FILE)
+    where = store.Location.of(location)
+    path = where.name(KEY_FILE)
     try:
-        return _load(location, path)
+        key = _read(where, path)
+        if key is not None:
+            return key
+        where.create(KEY_FILE, (secrets.token_bytes(_KEY_BYTES).hex() + "\n").encode())
+        key = _read(where, path)
     except OSError as exc:
         raise CollectorError(f"cannot read or create the reward-id secret {path}: {exc}") from None
-
-
-def _load(location, path) -> bytes:
-    key = _read(path)
-    if key is not None:
-        return key
-    fresh = secrets.token_bytes(_KEY_BYTES).hex() + "\n"
-    if layout.is_remote(location):
-        # one PUT; two collectors starting at once on an empty bucket: the one read back wins
-        layout.write_text(path, fresh)
-    else:
-        _create_once(Path(path), fresh)
-    key = _read(path)
     if key is None:
         raise CollectorError(f"{path} vanished right after it was written")
     log.info("created the reward-id secret %s (keep it with the data: posted rewards are keyed by it)", path)
     return key
 
 
-def _read(path) -> bytes | None:
+def _read(where, path) -> bytes | None:
     try:
-        text = layout.read_text(path).strip()
+        text = where.read_text(KEY_FILE).strip()
     except FileNotFoundError:
         return None
     try:
@@ -87,25 +78,6 @@ def _read(path) -> bytes | None:
                         "a backup, or delete it to make a new one (rewards posted before then are no longer "
                         "recognised when posted again)")
     return key
-
-
-def _create_once(path: Path, text: str) -> None:
-    """Write ``path`` whole, readable by its owner only, unless it exists already."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)          # fails if another start wrote it first: theirs is the key
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
-    layout.fsync_dir(path.parent)
 
 
 def reward_ids(secret: bytes, rollout_id: str, name: str, key: str | None) -> tuple[bytes, bytes]:

@@ -28,8 +28,8 @@ import pyarrow as pa
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan import store
+from lightspan.collector import compact as compaction
 from lightspan.collector import dedup, evaluations, reward_integrity
-from lightspan.collector.storage import Bucket, Directory, writable
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import count_spans, flatten
@@ -37,6 +37,9 @@ from lightspan.collector.otlp_parse import DecodeError, parse_json_request, pars
 from lightspan.collector.otlp_logs import count_log_records, flatten_logs, parse_json_logs_request
 from lightspan.collector.outcomes import CollectorError, Outcome
 from lightspan.collector.wal import WAL
+from lightspan.core.config import ConfigError
+from lightspan.store.files import writer_tree
+from lightspan.store.location import NOT_WRITABLE
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,40 @@ SIGNALS = {
 }
 
 
+def _not_writable(directory, field: str, exc: OSError) -> ConfigError:
+    env = f"LIGHTSPAN_COLLECTOR_{field.upper()}"
+    return ConfigError("collector", field, f"the collector cannot write to {directory} ({exc.strerror or exc})",
+                       f"make {directory} writable for the collector's user (chown/chmod, or mount it read-write), "
+                       f"or set collector.{field} ({env}, --{field.replace('_', '-')}) to a writable directory")
+
+
+def writable(directory: Path, field: str) -> None:
+    """Make ``directory`` if need be and write (then remove) a file in it: at start-up, before
+    anything is written, a directory the collector cannot write to is one ConfigError naming it and
+    ``collector.<field>``, not a traceback from the first write. Other errors (a full disk) pass:
+    they are answered where they happen (503)."""
+    try:
+        store.Location.of(directory).check()
+    except OSError as exc:
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        raise _not_writable(directory, field, exc) from None
+
+
 class Writer:
     """The queue between the receivers and Parquet, and everything that writes the store."""
 
     def __init__(self, config: CollectorConfig, metrics: Metrics):
         self.config = config
-        self.data_dir = store.data_dir(config.data_dir)
+        self.location = store.Location.of(config.data_dir)
+        self.data_dir = self.location.root
+        # where Parquet goes: TABLE/<tree>/date=…, the tree this collector owns (the whole table of
+        # its data directory; its own collector=<id> in a bucket that several collectors share)
+        self.tree = writer_tree(self.location, config.writer_id)
         wal_dir = Path(config.wal_path)
-        # where Parquet goes: the data directory, or this collector's prefix in a bucket
-        self.storage = (Bucket(self.data_dir, config.writer_id, wal_dir.parent / f".{wal_dir.name}-scratch")
-                        if store.is_remote(self.data_dir) else Directory(self.data_dir))
         self.wal_dir = wal_dir
+        # local scratch beside the WAL: DuckDB's spill files, a merged file before its upload
+        self.scratch = wal_dir.parent / f".{wal_dir.name}-scratch"
         self.last_flush_error = ""             # why the last flush failed ("" after one succeeded)
         self.metrics = metrics
         self._compact_lock = threading.Lock()
@@ -87,12 +113,21 @@ class Writer:
         self._recent = {name: dedup.RecentKeys(config.dedup_max_keys, config.dedup_window_s)
                         for name in store.PARTITIONED}
 
+    def _base(self, table: str) -> str:
+        """The key of ``table``'s tree that this collector owns."""
+        return f"{table}/{self.tree}" if self.tree else table
+
+    def describe(self) -> str:
+        return f"{self.location} (as {self.tree})" if self.tree else str(self.location)
+
     def open(self) -> None:
         """Open the WAL, remember the keys written lately, replay what a previous run left."""
         try:
-            self.storage.check()     # a data directory that is not writable: a ConfigError naming it
+            self.location.check()
         except OSError as exc:       # nothing accepted yet: the WAL stays as it is for the next start
-            raise CollectorError(f"cannot reach the store {self.storage.describe()}: {exc}") from None
+            if exc.errno in NOT_WRITABLE:      # a data directory that is not writable: a ConfigError naming it
+                raise _not_writable(self.location, "data_dir", exc) from None
+            raise CollectorError(f"cannot reach the store {self.describe()}: {exc}") from None
         writable(self.wal_dir, "wal_dir" if self.config.wal_dir else "data_dir")
         self.wal = WAL(self.wal_dir)
         self._seed_recent()
@@ -257,7 +292,8 @@ class Writer:
                 part = table.filter(pa.array(rows))
                 part_keys = [key for key, chosen in zip(keys, rows.tolist()) if chosen]
             part = part.sort_by(kind["sort"])
-            self.storage.write(name, part, (_EPOCH + timedelta(days=int(day))).isoformat())
+            partition = f"date={(_EPOCH + timedelta(days=int(day))).isoformat()}"
+            store.write_table(self.location, name, part, partition=f"{self.tree}/{partition}" if self.tree else partition)
             recent.add(part_keys)          # committed: a retried flush leaves this part out
         return table.num_rows
 
@@ -266,8 +302,8 @@ class Writer:
         retry across a restart)."""
         now = time.time()
         for name, recent in self._recent.items():
-            files = self.storage.recent_files(name, now - self.config.dedup_window_s)
-            keys = dedup.load_keys(name, files, received_since_ns=int((now - self.config.dedup_window_s) * 1e9),
+            files = dedup.recent_files(self.location, self._base(name), now - self.config.dedup_window_s)
+            keys = dedup.load_keys(name, self.location, files, received_since_ns=int((now - self.config.dedup_window_s) * 1e9),
                                    limit=max(self.config.dedup_max_keys // 2, 1))
             recent.add(keys)
             if keys:
@@ -283,7 +319,8 @@ class Writer:
         # the Parquet that these segments may have produced before the crash: written after the
         # oldest segment's last write
         since = dedup.replay_since([self.wal.segment_path(i) for i in segments])
-        stored = {kind["table"]: self.storage.recent_files(kind["table"], since) for kind in SIGNALS.values()}
+        stored = {kind["table"]: dedup.recent_files(self.location, self._base(kind["table"]), since)
+                  for kind in SIGNALS.values()}
         tables = {signal_: [] for signal_ in SIGNALS}
         batch_bytes, counts = 0, dict.fromkeys(SIGNALS, 0)
         for payload in self.wal.replay(segments):
@@ -316,14 +353,14 @@ class Writer:
                  extra={"spans": counts["traces"], "log_records": counts["logs"], "wal_segments": len(segments),
                         "skipped_records": skipped, "seconds": round(time.perf_counter() - start, 4)})
 
-    def _write_replayed(self, signal: str, tables: list[pa.Table], stored: dict[str, list[Path]]) -> int:
+    def _write_replayed(self, signal: str, tables: list[pa.Table], stored: dict[str, list[str]]) -> int:
         """:meth:`_write` for replayed rows, less those already in the files in ``stored``."""
         tables = [t for t in tables if t.num_rows]
         if not tables:
             return 0
         name = SIGNALS[signal]["table"]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        fresh = dedup.drop_stored(name, table, stored[name])
+        fresh = dedup.drop_stored(name, table, self.location, stored[name])
         if fresh.num_rows < table.num_rows:
             self.metrics.add(f"{SIGNALS[signal]['metric']}_deduplicated_total", table.num_rows - fresh.num_rows)
         return self._write(signal, [fresh])
@@ -355,10 +392,10 @@ class Writer:
         merged = 0
         with self._compact_lock:
             for table in store.PARTITIONED:
-                for partition, files in self.storage.small_files(table).items():
+                for partition, files in compaction.small_files(self.location, self._base(table)).items():
                     if len(files) < max(min_files, 2):
                         continue
-                    self.storage.compact_partition(table, partition, files)
+                    compaction.compact_partition(self.location, table, partition, files, self.scratch)
                     merged += len(files)
                     self.metrics.add("compactions_total")
                     self.metrics.add("files_compacted_total", len(files))
@@ -372,14 +409,14 @@ class Writer:
         """Remove the files merged files replaced ``grace_s`` seconds ago or more."""
         with self._compact_lock:
             for table in store.PARTITIONED:
-                self.storage.sweep(table, grace_s)
+                compaction.sweep(self.location, self._base(table), grace_s)
 
     def expire(self) -> list[str]:
         """Delete date partitions older than ``retention_days`` (0 keeps all); returns their paths."""
         removed = []
         with self._compact_lock:
             for table in store.PARTITIONED:
-                names = self.storage.expire(table, self.config.retention_days)
+                names = compaction.expire_partitions(self.location, self._base(table), self.config.retention_days)
                 removed += [f"{table}/{name}" for name in names]
         if removed:
             self.metrics.add("partitions_expired_total", len(removed))

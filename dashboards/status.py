@@ -8,7 +8,6 @@ server only its public ``/health`` and ``/v1/models``. Never writes anything.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,32 +41,14 @@ class StatusConfig:
                               "pass e.g. --vllm-url http://127.0.0.1:8000")
 
 
-def disk_usage(root: Path) -> dict[str, int]:
-    """Bytes under each known subdirectory of ``root`` and in total (files only, links not followed)."""
+def disk_usage(location) -> dict[str, int]:
+    """Bytes under each known name of a data location (a directory, or an ``s3://`` prefix: the bytes
+    of its objects) and in total (files only, links not followed)."""
     sizes = dict.fromkeys(_DIRS, 0)
     total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                size = os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:   # removed meanwhile (compaction)
-                continue
-            total += size
-            top = Path(dirpath).relative_to(root).parts[:1]
-            if top and top[0] in sizes:
-                sizes[top[0]] += size
-    return {**sizes, "total": total}
-
-
-def object_usage(location: str) -> dict[str, int]:
-    """:func:`disk_usage` of a data location in a bucket: bytes of the objects under each name."""
-    from lightspan.store import objects
-
-    sizes = dict.fromkeys(_DIRS, 0)
-    total = 0
-    for entry in objects.list_files(location):
+    for entry in store.Location.of(location).list():
         total += entry.size
-        top = entry.url[len(location.rstrip("/")) + 1:].split("/", 1)[0]
+        top = entry.key.split("/", 1)[0]
         if top in sizes:
             sizes[top] += entry.size
     return {**sizes, "total": total}
@@ -103,16 +84,16 @@ def data_summary(root: Path | str) -> dict:
              "entropy", "clip_ratio", "is_ratio_mean", "staleness_mean", "sync_seconds", "policy")
     by_policy = [dict(zip(names, row)) for row in latest]
     run = by_policy[0] if by_policy else None
-    remote = store.is_remote(root)
-    usage = object_usage(root) if remote else disk_usage(root) if root.is_dir() else {}
-    return {"data_dir": root if remote else str(root.resolve()), "exists": remote or root.is_dir(),
+    where = store.Location.of(root).resolved()
+    exists = where.exists()
+    return {"data_dir": str(where), "exists": exists,
             "spans": spans, "llm_calls": llm_calls,
             "rollouts": sum(n for n, _ in splits.values()),
             "rollouts_by_split": {k: {"rollouts": n, "reward_mean": r} for k, (n, r) in splits.items()},
             "last_span_unix_nano": last, "transitions": transitions, "transition_builds": builds,
             "train_steps": steps, "training_runs": runs, "policy": policy, "policies": policies,
             "latest_run": run, "latest_by_policy": {r["policy"]: r for r in by_policy if r["policy"]},
-            "disk_bytes": usage}
+            "disk_bytes": disk_usage(where) if exists else {}}
 
 
 def inference_summary(url: str, timeout_s: float) -> dict:

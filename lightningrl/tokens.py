@@ -76,7 +76,7 @@ def _take(array: pa.ListArray, rows: np.ndarray) -> pa.ListArray:
 
 def _decode(path: str) -> tuple[list[pa.RecordBatch], list[np.ndarray]]:
     """The token columns of one file, whole, and their list lengths (NaN: no list)."""
-    pf = pq.ParquetFile(store.open_input(path), memory_map=not store.is_remote(path))
+    pf = pq.ParquetFile(store.open_input(path), memory_map=True)   # a local file mapped; an object read as it is
     present = [c for c in COLUMNS if c in pf.schema_arrow.names]
     table = pf.read(columns=present, use_threads=False) if present else pa.table({})
     for name in COLUMNS:

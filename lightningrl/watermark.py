@@ -63,21 +63,20 @@ def load(config) -> Watermark:
 
 def save(config, watermark: Watermark) -> Path | str:
     """Store ``watermark`` for ``config``'s selection, atomically (temp file + rename; one PUT in a bucket)."""
-    path = store.join(store.data_dir(config.data_dir), STATE_FILE)
-    selections = _read(config.data_dir)
+    where = store.Location.of(config.data_dir)
+    selections = _read(where)
     fields = _fields(config)
     selections[selection(config)] = {
         "received_unix_nano": watermark.received_unix_nano, "pending": sorted(watermark.pending),
         "updated_unix_nano": time.time_ns(), "config": fields}
     newest = sorted(selections.items(), key=lambda kv: kv[1].get("updated_unix_nano", 0))[-MAX_SELECTIONS:]
-    store.write_text(path, json.dumps({"version": 1, "selections": dict(newest)}, indent=1) + "\n")
-    return path
+    where.put_text(STATE_FILE, json.dumps({"version": 1, "selections": dict(newest)}, indent=1) + "\n")
+    return where.name(STATE_FILE)
 
 
 def _read(data_dir) -> dict:
-    path = store.join(store.data_dir(data_dir), STATE_FILE)
     try:
-        state = json.loads(store.read_text(path))
+        state = json.loads(store.Location.of(data_dir).read_text(STATE_FILE))
     except FileNotFoundError:
         return {}
     except (json.JSONDecodeError, OSError):      # a damaged state costs one full read, not a failed build

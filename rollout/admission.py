@@ -8,7 +8,6 @@ main thread both use it); :class:`PolicyVersion` is the version recorded on the 
 from __future__ import annotations
 
 import threading
-import time
 
 from lightspan import store
 
@@ -61,7 +60,7 @@ class PolicyVersion:
 
     def __init__(self, data_dir: str):
         self.data_dir = data_dir
-        self.path = store.policy.path(data_dir)
+        self.location = store.Location.of(data_dir)
         self.override: int | None = None
         self._cached: tuple[float, dict[str, store.policy.Policy]] = (-1.0, {})
 
@@ -69,8 +68,8 @@ class PolicyVersion:
         """Every published policy by name (``""``: the unnamed one); {} before any is published. An
         unreadable file keeps what was read last."""
         try:
-            # in a bucket there is no cheap stat: the object is read again every 2 s
-            mtime = (time.monotonic() // 2 if store.is_remote(str(self.path)) else self.path.stat().st_mtime)
+            # its time on disk; in a bucket, with no cheap stat, a tick: the object is read again every 2 s
+            mtime = self.location.changed_at(store.policy.FILE)
         except OSError:
             return {}
         if mtime != self._cached[0]:
@@ -84,7 +83,8 @@ class PolicyVersion:
         """The unnamed policy's version (0 before any is published); None when only named policies are."""
         if self.override is not None:
             return self.override
-        if not store.is_remote(str(self.path)) and not self.path.exists():
+        published = self.published()
+        if not published:
             return 0  # no policy published yet: the initial model
-        policy = self.published().get("")
+        policy = published.get("")
         return policy.version if policy is not None else None

@@ -65,7 +65,7 @@ from urllib.parse import quote
 
 from lightspan import store
 from lightspan.core.config import ConfigError, option
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, ROLLOUT_LOGS_DIR
 from lightspan.core.progress import progress
 from lightspan.rollout import endpoint
 from lightspan.rollout.outcomes import Outcome, capture_summary, delivery_summary, read_report, record_outcome
@@ -131,7 +131,7 @@ class RolloutConfig:
         for name in ("timeout_s", "export_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError("rollout", name, "must be positive", f"pass --{name.replace('_', '-')} SECONDS")
-        if store.is_remote(self.data_dir) and not self.logs_dir:
+        if not self.logs_dir and store.Location(self.data_dir).local(ROLLOUT_LOGS_DIR) is None:
             raise ConfigError("rollout", "logs_dir", f"data_dir {self.data_dir!r} is a bucket; each rollout's "
                               "output is written to a local directory", "pass --logs-dir DIR")
         for item in self.env_map:
@@ -334,7 +334,7 @@ def run(cfg: RolloutConfig, command: list[str]) -> dict:
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
     tasks = load_tasks(cfg.tasks, cfg.variables)
     version = store.policy.served_version(cfg.data_dir)
-    logs = Path(cfg.logs_dir or Path(cfg.data_dir) / "rollout-logs")
+    logs = Path(cfg.logs_dir) if cfg.logs_dir else store.Location(cfg.data_dir).local(ROLLOUT_LOGS_DIR)
     logs.mkdir(parents=True, exist_ok=True)
     endpoint.check(traces_endpoint(cfg), cfg.otlp_protocol)   # the wrong protocol is refused before any rollout
     shipper = Shipper(traces_endpoint(cfg), cfg.otlp_protocol, cfg.export_timeout_s)

@@ -7,7 +7,7 @@
 - :mod:`~lightspan.store.schema` — the Parquet schemas of spans, logs, transitions, train steps;
 - :mod:`~lightspan.store.files` — which files hold a table's rows; atomic writes;
 - :mod:`~lightspan.store.views` — DuckDB views (``spans``, ``llm_calls``, ``rollouts``, ``rewards``, …);
-- :mod:`~lightspan.store.objects` — a data location in an S3-compatible bucket (``s3://bucket/prefix``).
+- :mod:`~lightspan.store.objects` — what a location in an S3-compatible bucket needs: the filesystem, its endpoint.
 
 The collector is the only writer of spans and logs; every reader opens DuckDB views over the
 Parquet files, so none waits on a writer's lock. Importing the store never pulls in the
@@ -21,8 +21,7 @@ from __future__ import annotations
 import importlib
 
 from lightspan.store import policy
-from lightspan.store.layout import (DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir, is_remote, join, read_text,
-                                    write_text)
+from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, data_dir, fsync_dir
 from lightspan.store.location import Location
 
 # name -> module: pyarrow and duckdb load when one of these is first used, not at import
@@ -35,7 +34,7 @@ _LAZY = {
     "quote": "views", "quote_list": "views",
 }
 
-__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "is_remote", "join", "read_text", "write_text", "Location", "policy", *_LAZY]
+__all__ = ["DATA_DIR_ENV", "DEFAULT_DATA_DIR", "data_dir", "fsync_dir", "Location", "policy", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -30,8 +30,9 @@ ROLLOUT_LOGS_DIR = "rollout-logs"
 CHECKPOINTS_DIR = "checkpoints"
 
 
-def is_remote(location: str | os.PathLike | None) -> bool:
-    """Whether a data location is a bucket (``s3://bucket/prefix``), not a directory."""
+def is_remote(location) -> bool:
+    """Whether a data location is a bucket (``s3://bucket/prefix``), not a directory. The store's
+    own question (lightspan.store.location): nothing outside ``store/`` asks it."""
     return isinstance(location, str) and location.startswith(REMOTE_SCHEME)
 
 
@@ -69,33 +70,3 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def join(location: Path | str, *parts: str) -> Path | str:
-    """``location / part / …``: a path, or a longer ``s3://`` URL."""
-    if is_remote(location):
-        return "/".join([str(location).rstrip("/"), *parts])
-    return Path(location).joinpath(*parts)
-
-
-def read_text(location: Path | str) -> str:
-    """The text of a small file or object (``FileNotFoundError`` when there is none)."""
-    if is_remote(location):
-        from lightspan.store import objects
-
-        return objects.read_bytes(location).decode()
-    return Path(location).read_text()
-
-
-def write_text(location: Path | str, text: str) -> None:
-    """Replace a small file or object atomically: a temporary file then a rename; one PUT in a bucket."""
-    if is_remote(location):
-        from lightspan.store import objects
-
-        objects.put_bytes(location, text.encode())
-        return
-    location = Path(location)
-    location.parent.mkdir(parents=True, exist_ok=True)
-    tmp = location.parent / f".{location.name}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, location)

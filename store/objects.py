@@ -1,4 +1,6 @@
-"""A data location in an S3-compatible bucket: ``s3://bucket/prefix`` instead of a directory.
+"""What a data location in an S3-compatible bucket (``s3://bucket/prefix``) needs beside a directory's:
+the filesystem, its endpoint and credentials, and errors that name them. The location itself, with
+its listing, reads, atomic puts and deletes, is :class:`lightspan.store.location.Location`.
 
 Everything goes through pyarrow's own S3 filesystem (``pyarrow.fs.S3FileSystem``, the AWS SDK
 for C++ inside the pyarrow wheel): listing, reading, writing and deleting objects, and DuckDB's
@@ -28,23 +30,13 @@ from __future__ import annotations
 import configparser
 import functools
 import os
-from dataclasses import dataclass
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 
 from lightspan.core.config import redact
-from lightspan.store.layout import REMOTE_SCHEME, is_remote
+from lightspan.store.layout import REMOTE_SCHEME, bucket_path, is_remote
 
-__all__ = ["REMOTE_SCHEME", "is_remote", "Entry", "endpoint", "filesystem", "path_of", "url_of", "join", "list_files",
-           "read_bytes", "put_bytes", "delete", "open_input", "check", "register"]
-
-
-@dataclass(frozen=True)
-class Entry:
-    url: str              # s3://bucket/key
-    size: int
-    mtime: float          # seconds since the epoch (the object's LastModified)
+__all__ = ["REMOTE_SCHEME", "is_remote", "endpoint", "filesystem", "path_of", "url_of", "named", "check", "register"]
 
 
 def endpoint() -> str:
@@ -94,20 +86,11 @@ def filesystem() -> pafs.S3FileSystem:
 
 def path_of(url: str) -> str:
     """``s3://bucket/key`` → ``bucket/key``, the path pyarrow's filesystem takes."""
-    if not is_remote(url):
-        raise ValueError(f"{url!r} is not an {REMOTE_SCHEME}bucket/prefix URL")
-    path = str(url)[len(REMOTE_SCHEME):].strip("/")
-    if not path or path.startswith("/"):
-        raise ValueError(f"{url!r} names no bucket: use {REMOTE_SCHEME}BUCKET/PREFIX")
-    return path
+    return bucket_path(url)
 
 
 def url_of(path: str) -> str:
     return REMOTE_SCHEME + path.lstrip("/")
-
-
-def join(url: str, *parts: str) -> str:
-    return "/".join([str(url).rstrip("/"), *(p.strip("/") for p in parts if p)])
 
 
 def _where() -> str:
@@ -128,60 +111,6 @@ def named(url: str, exc: OSError) -> OSError:
     return type(exc)(redact(f"{url}: {exc} ({_where()})"))
 
 
-_named = named
-
-
-def list_files(url: str) -> list[Entry]:
-    """Every object under ``url`` (recursively), none when the prefix holds none."""
-    selector = pafs.FileSelector(path_of(url), recursive=True, allow_not_found=True)
-    try:
-        infos = filesystem().get_file_info(selector)
-    except OSError as exc:
-        raise _named(url, exc) from exc
-    return [Entry(url_of(i.path), int(i.size or 0), i.mtime.timestamp() if i.mtime else 0.0)
-            for i in infos if i.type == pafs.FileType.File]
-
-
-def read_bytes(url: str) -> bytes:
-    """The object's bytes; ``FileNotFoundError`` when there is none."""
-    try:
-        with filesystem().open_input_stream(path_of(url)) as stream:
-            return stream.read()
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if "NoSuchKey" in str(exc) or "does not exist" in str(exc):
-            raise FileNotFoundError(url) from exc
-        raise _named(url, exc) from exc
-
-
-def put_bytes(url: str, data: bytes | pa.Buffer) -> None:
-    """Write the object in one request: readers see all of it or nothing."""
-    try:
-        with filesystem().open_output_stream(path_of(url)) as stream:
-            stream.write(data)
-    except OSError as exc:
-        raise _named(url, exc) from exc
-
-
-def delete(urls) -> None:
-    """Delete objects; one already gone is no error."""
-    fs = filesystem()
-    for url in urls:
-        try:
-            fs.delete_file(path_of(url))
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            if "NoSuchKey" not in str(exc):
-                raise _named(url, exc) from exc
-
-
-def open_input(url: str) -> pa.NativeFile:
-    """A random-access file over the object (for ``pyarrow.parquet.ParquetFile``)."""
-    return filesystem().open_input_file(path_of(url))
-
-
 def check(url: str) -> None:
     """Raise ``OSError`` naming ``url`` unless its bucket answers (a listing of the prefix)."""
     bucket = path_of(url).split("/", 1)[0]
@@ -190,7 +119,7 @@ def check(url: str) -> None:
         info = filesystem().get_file_info(bucket)
         filesystem().get_file_info(pafs.FileSelector(path_of(url), recursive=False, allow_not_found=True))
     except OSError as exc:
-        raise _named(url, exc) from exc
+        raise named(url, exc) from exc
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(redact(f"{url}: bucket {bucket!r} does not exist at {endpoint() or 'AWS'}: create it"))
 

@@ -23,7 +23,6 @@ location publish from one process (one ``lightspan train``, as trainer/policies.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -32,8 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightspan.store.layout import data_dir as _data_dir
-from lightspan.store.layout import is_remote, read_text, write_text
+from lightspan.store.location import Location
 
 FILE = "policy.json"
 _VERSIONED = re.compile(r"(.+)-v(\d+)")
@@ -49,8 +47,7 @@ class Policy:
 
 def path(data_dir: str | os.PathLike | None = None) -> Path | str:
     """Where policy.json is: a path, or an ``s3://`` URL for a data location in a bucket."""
-    root = _data_dir(data_dir)
-    return f"{root}/{FILE}" if is_remote(root) else root / FILE
+    return Location.of(data_dir).name(FILE)
 
 
 def _entry(doc, name: str = "") -> Policy:
@@ -59,7 +56,7 @@ def _entry(doc, name: str = "") -> Policy:
 
 def _load(data_dir) -> dict:
     try:
-        doc = json.loads(read_text(path(data_dir)))
+        doc = json.loads(Location.of(data_dir).read_text(FILE))
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -123,20 +120,11 @@ def write(data_dir: str | os.PathLike, version: int, checkpoint: str | os.PathLi
     """Publish ``version`` of policy ``name`` (default: the unnamed one) served from ``checkpoint``,
     atomically (temporary file + rename; one PUT in a bucket). A named entry replaces only its own
     entry (other policies' stay); the unnamed policy replaces the whole file."""
-    root = _data_dir(data_dir)
+    where = Location.of(data_dir)
     policy = Policy(int(version), str(Path(checkpoint).resolve()), time.time_ns(), name or "")
     entry = {"version": policy.version, "path": policy.path, "time_unix_nano": policy.time_unix_nano}
-
-    def publish() -> None:
-        named = _load(root).get("policies") if name else None
+    with where.lock(f"{FILE}.lock"):           # read-modify-write of the named entries
+        named = _load(where).get("policies") if name else None
         doc = {"policies": {**(named if isinstance(named, dict) else {}), name: entry}} if name else entry
-        write_text(path(root), json.dumps(doc) + "\n")
-
-    if is_remote(root):
-        publish()
-        return policy
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{FILE}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)       # read-modify-write of the named entries
-        publish()
+        where.put_text(FILE, json.dumps(doc) + "\n")
     return policy

@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from lightspan.store.layout import data_dir as _data_dir
-from lightspan.store.layout import join, read_text, write_text
+from lightspan.store.location import Location
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +53,19 @@ def resolve(targets, *, getaddrinfo: Callable = socket.getaddrinfo) -> list[str]
 
 
 def path(data_dir: str | os.PathLike | None = None):
-    return join(_data_dir(data_dir), FILE)
+    return Location.of(data_dir).name(FILE)
 
 
 def write(data_dir, version: int | None, status: dict[str, dict]) -> None:
     """Publish the last sync's outcome per replica (atomically)."""
     doc = {"version": version, "time_unix_nano": time.time_ns(), "replicas": status}
-    write_text(path(data_dir), json.dumps(doc, indent=1) + "\n")
+    Location.of(data_dir).put_text(FILE, json.dumps(doc, indent=1) + "\n")
 
 
 def read(data_dir=None) -> dict | None:
     """The published rotation, or None when there is none (or it does not parse)."""
     try:
-        doc = json.loads(read_text(path(data_dir)))
+        doc = json.loads(Location.of(data_dir).read_text(FILE))
         return doc if isinstance(doc, dict) and isinstance(doc.get("replicas"), dict) else None
     except (OSError, ValueError):
         return None

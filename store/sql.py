@@ -16,7 +16,7 @@ from pathlib import Path
 
 import duckdb
 
-from lightspan.store import layout
+from lightspan.store.location import Location
 from lightspan.store.schema import TABLES
 from lightspan.store.views import connect, quote
 
@@ -27,16 +27,15 @@ SQL_MEMORY_LIMIT = 512 << 20
 def sql_connection(data_dir: str | Path, memory_limit: int = SQL_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
     """A connection with the store's views whose external access is off and locked, with
     ``memory_limit`` bytes for DuckDB's buffers and no spilling to disk."""
-    root = layout.data_dir(data_dir)
-    root = root if layout.is_remote(root) else root.resolve()
-    con = connect(root)          # the views read the data location's Parquet files...
+    where = Location.of(data_dir).resolved()
+    con = connect(where)         # the views read the data location's Parquet files...
     try:
         con.execute(f"SET memory_limit = '{int(memory_limit)}B'")
         con.execute(f"SET threads = {SQL_THREADS}")
         # no spilling: DuckDB lets a connection read its temp directory (default ``.tmp`` in the
         # working directory) whatever allowed_directories says, so a query could read files there
         con.execute("SET temp_directory = ''")
-        allowed = ", ".join(quote(f"{root}/{table}/") for table in TABLES)
+        allowed = ", ".join(quote(f"{where.name(table)}/") for table in TABLES)
         con.execute(f"SET allowed_directories = [{allowed}]")   # ...and nothing else, once this is off:
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")            # a query cannot SET it back

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightspan.core.config import ConfigError, option, parse_duration
-from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.layout import CHECKPOINTS_DIR, DATA_DIR_ENV, DEFAULT_DATA_DIR
+from lightspan.store.location import Location
 from lightspan.store.policies import POLICIES_ENV, TRAINER_FIELDS, PolicyConfig, override
 from lightspan.store.policies import load as load_policies
 
@@ -179,7 +180,7 @@ class TrainerConfig:
         if self.vllm_replicas and self.sync == "nccl":
             fail("vllm_replicas", "'nccl' joins one vLLM server's workers in one NCCL group",
                  "use --sync reload or lora with replicas, or one vllm_url with nccl")
-        if self.data_dir.startswith("s3://") and not self.output_dir:
+        if not self.output_dir and Location(self.data_dir).local(CHECKPOINTS_DIR) is None:
             fail("output_dir", f"data_dir {self.data_dir!r} is a bucket, and vLLM reads checkpoints from a path",
                  "set --output-dir to a directory the trainer and every vLLM replica mount (e.g. /checkpoints)")
         if self.lora_r:
@@ -210,7 +211,7 @@ class TrainerConfig:
             raise ConfigError(SECTION, "sync", f"'{self.sync}' pushes one full model, but several policies are "
                               "LoRA adapters over one base", "pass --sync lora (or none), and a --lora-r")
         out = []
-        base_dir = Path(self.output_dir) if self.output_dir else Path(self.data_dir) / "checkpoints"
+        base_dir = Path(self.output_dir) if self.output_dir else Path(self.data_dir) / CHECKPOINTS_DIR
         for p in load_policies(self.policies):
             if not (self.lora_r if p.lora_r is None else p.lora_r):
                 raise ConfigError("policies", f"{p.name}.lora_r", "is 0: several policies train LoRA adapters over "

@@ -15,7 +15,6 @@ import requests
 
 from lightspan import store
 from lightspan.collector.server import EXPORT_METHOD
-from lightspan.store import objects
 from tests.collector.helpers import config, query, wait_for
 from tests.collector.process import CollectorProcess
 from tests.collector.test_compact import DAY_NS, NOW_NS, SNAPSHOT, spans_request
@@ -37,19 +36,19 @@ def test_a_collector_in_a_bucket_compacts_sweeps_and_expires_only_its_prefix(buc
         collector.flush()
     assert collector.export(spans_request("old", 3, NOW_NS - 10 * DAY_NS, first_id=100)).outcome.value == "ok"
     collector.flush()
-    prefix = f"{location}/spans/collector=a/"
+    prefix, where = "spans/collector=a", store.Location.of(location)
     files = store.table_files(location, "spans")
-    assert len(files) == 5 and all(f.startswith(prefix) for f in files if f != other)
+    assert len(files) == 5 and all(f.startswith(f"{location}/{prefix}/") for f in files if f != other)
     before = query(location, SNAPSHOT)
     assert len(before) == 18
     assert collector.compact(min_files=2, grace_s=3600) == 3      # today's three files, into one
     assert query(location, SNAPSHOT) == before                   # readers switched at once, nothing twice
     live = [f for f in store.table_files(location, "spans") if f != other]
     assert len(live) == 2
-    assert len([e for e in objects.list_files(prefix) if e.url.endswith(".parquet")]) == 5   # kept for the grace
+    assert len([e for e in where.list(prefix) if e.key.endswith(".parquet")]) == 5   # kept for the grace
     collector.writer._sweep(0.0)
-    assert sorted(e.url for e in objects.list_files(prefix) if e.url.endswith(".parquet")) == sorted(live)
-    assert not [e for e in objects.list_files(prefix) if e.url.endswith(store.SUPERSEDES_SUFFIX)]
+    assert sorted(where.name(e.key) for e in where.list(prefix) if e.key.endswith(".parquet")) == sorted(live)
+    assert not [e for e in where.list(prefix) if e.key.endswith(store.SUPERSEDES_SUFFIX)]
     assert collector.expire() == ["spans/date=" + time.strftime("%Y-%m-%d", time.gmtime((NOW_NS - 10 * DAY_NS) / 1e9))]
     assert len(query(location, SNAPSHOT)) == 15
     assert other in store.table_files(location, "spans")          # never touched

@@ -11,6 +11,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from lightspan import store
 from lightspan.collector import compact
+from lightspan.store.files import partitions
 from lightspan.tracing import semconv as sc
 from tests.collector.helpers import query, raw_rows, wait_for
 
@@ -115,7 +116,7 @@ def test_retention_deletes_only_partitions_older_than_the_limit(collector_factor
         assert collector.export(spans_request(rollout, 2, NOW_NS - age_days * DAY_NS, 1 + 2 * k)).outcome.value == "ok"
         assert collector.export(logs_request(rollout, 2, NOW_NS - age_days * DAY_NS), signal="logs").outcome.value == "ok"
     collector.flush()
-    assert len(compact.partitions(data_dir, "spans")) == 4
+    assert len(partitions(data_dir, "spans")) == 4
     removed = collector.expire()
     # date(now - 5 days) ends less than 5 days ago (its last hours are younger): it stays
     assert sorted(removed) == sorted(f"{t}/date={datetime.fromtimestamp((NOW_NS - 10 * DAY_NS) / 1e9, timezone.utc).date()}"
@@ -133,7 +134,7 @@ def test_expire_partitions_boundary_and_zero_keeps_everything(tmp_path):
     assert compact.expire_partitions(tmp_path, "spans", 0, now) == []
     # 1 day: the cutoff is 05-03 12:00; 05-02 ended at 05-03 00:00 (gone), 05-03 ends at 05-04 00:00 (kept)
     assert compact.expire_partitions(tmp_path, "spans", 1, now) == ["date=2024-05-01", "date=2024-05-02"]
-    assert [p.name for p in compact.partitions(tmp_path, "spans")] == ["date=2024-05-03"]
+    assert list(partitions(tmp_path, "spans")) == ["date=2024-05-03"]
 
 
 def test_writer_applies_retention(collector_factory, data_dir):

@@ -10,6 +10,7 @@ import pytest
 
 from lightspan import store
 from lightspan.collector import compact, dedup
+from lightspan.store.files import partitions
 from lightspan.collector.config import ConfigError
 from lightspan.collector.server import Collector
 from tests.collector.helpers import config, query, raw_rows
@@ -92,7 +93,7 @@ def test_readers_follow_merged_file_notes_through_two_compactions_and_the_sweep(
         collector.flush()
     expected = ids(data_dir)
     assert collector.compact(grace_s=3600) == 3                        # the replaced files stay on disk
-    [partition] = compact.partitions(data_dir, "spans")
+    [partition] = [data_dir / "spans" / p for p in partitions(data_dir, "spans")]
     [first] = store.table_files(data_dir, "spans")
     assert len(parquet_files(data_dir)) == 4 and ids(data_dir) == expected   # read once, from the merged file
     for k in range(3, 5):

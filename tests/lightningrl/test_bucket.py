@@ -33,4 +33,4 @@ def test_the_builder_reads_spans_from_a_bucket_and_writes_transitions_there(buck
     assert builder.run(config, now_unix_nano=NOW)["transitions/rollouts"] == 0      # the watermark, in the bucket
     con = store.connect(remote)
     assert con.execute("SELECT count(*), count(DISTINCT rollout_id) FROM transitions").fetchall() == [(4, 3)]
-    assert store.read_text(f"{remote}/lightningrl/state.json").startswith("{")
+    assert store.Location.of(remote).read_text("lightningrl/state.json").startswith("{")

@@ -41,12 +41,7 @@ def fill(location, prefix: str = "") -> None:
     older = spans(80, 20, day_ns=1_764_547_200 * 10**9).drop(["temperature"])
     sink = pa.BufferOutputStream()
     pq.write_table(older, sink)                  # as written before the column existed (no cast)
-    name = f"spans/{prefix}date=2025-12-01/part-older.parquet"
-    if store.is_remote(location):
-        objects.put_bytes(f"{location}/{name}", sink.getvalue())
-    else:
-        (Path(location) / name).parent.mkdir(parents=True)
-        (Path(location) / name).write_bytes(sink.getvalue().to_pybytes())
+    store.Location.of(location).put_bytes(f"spans/{prefix}date=2025-12-01/part-older.parquet", sink.getvalue())
     transitions = pa.Table.from_pylist([{"transition_id": f"r{i}/c", "rollout_id": f"r{i}", "advantage": i * 0.5}
                                         for i in range(5)], schema=store.TRANSITION_SCHEMA)
     store.write_table(location, "transitions", transitions)
@@ -72,25 +67,26 @@ def test_the_views_over_a_bucket_answer_as_over_a_directory(bucket, tmp_path):
 
 def test_readers_follow_compaction_notes_and_retention_markers(bucket):
     remote = f"{bucket}/p"
-    partition = f"{remote}/spans/collector=a/date=2025-11-30"
+    where = store.Location.of(remote)
+    partition = "spans/collector=a/date=2025-11-30"
     first = store.write_table(remote, "spans", spans(0, 10), partition="collector=a/date=2025-11-30")
     second = store.write_table(remote, "spans", spans(10, 10), partition="collector=a/date=2025-11-30")
     count = lambda: answers(remote)[0][0][0]  # noqa: E731
     assert count() == 20
     # the note first: without its merged file readers ignore it
     note = f"{partition}/part-merged{store.SUPERSEDES_SUFFIX}"
-    objects.put_bytes(note, json.dumps({"files": [first.rsplit("/", 1)[1], second.rsplit("/", 1)[1]]}).encode())
+    where.put_bytes(note, json.dumps({"files": [first.rsplit("/", 1)[1], second.rsplit("/", 1)[1]]}).encode())
     assert sorted(store.table_files(remote, "spans")) == sorted([first, second])
     # the merged object is the moment readers switch to it
     merged = store.write_table(remote, "spans", spans(0, 20), partition="collector=a/date=2025-11-30")
-    objects.delete([merged])
+    where.delete([where.key(merged)])
     sink = pa.BufferOutputStream()
     pq.write_table(spans(0, 20), sink)
-    objects.put_bytes(f"{partition}/part-merged.parquet", sink.getvalue())
-    assert store.table_files(remote, "spans") == [f"{partition}/part-merged.parquet"]
+    where.put_bytes(f"{partition}/part-merged.parquet", sink.getvalue())
+    assert store.table_files(remote, "spans") == [where.name(f"{partition}/part-merged.parquet")]
     assert count() == 20
     # an expiry marker hides the whole partition at once
-    objects.put_bytes(f"{partition}/{store.files.EXPIRED_MARKER}", b"")
+    where.put_bytes(f"{partition}/{store.files.EXPIRED_MARKER}", b"")
     assert store.table_files(remote, "spans") == [] and count() == 0
 
 
@@ -110,7 +106,7 @@ def test_policy_json_lives_in_the_bucket(bucket, tmp_path):
     published = store.policy.read(remote)
     assert (published.version, published.path) == (3, str(tmp_path.resolve()))
     assert store.policy.path(remote) == f"{remote}/policy.json"
-    assert json.loads(objects.read_bytes(f"{remote}/policy.json"))["version"] == 3
+    assert json.loads(store.Location.of(remote).read_bytes("policy.json"))["version"] == 3
     # several policies: each named entry is published beside the others', in the one object
     store.policy.write(remote, 2, tmp_path / "w2", name="writer")
     store.policy.write(remote, 5, tmp_path / "c5", name="checker")
@@ -193,7 +189,8 @@ def test_a_read_is_repeated_when_an_object_of_its_listing_vanished(bucket):
         con = store.connect(remote)
         calls.append(1)
         if len(calls) == 1:           # compaction's sweep removes an object the listing named
-            objects.delete([store.table_files(remote, "spans")[0]])
+            where = store.Location.of(remote)
+            where.delete([where.key(store.table_files(remote, "spans")[0])])
         return con.execute("SELECT count(*) FROM spans").fetchall()[0][0]
 
     assert store.retry_vanished(read) == 10 and len(calls) == 2

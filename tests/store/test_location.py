@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +92,21 @@ def test_a_bucket_names_objects_by_url_and_has_no_local_directory(bucket):
     assert where.local() is None and where.local("wal") is None and where.exists()
     assert where.mtime_slack_s > 0 and store.Location.of(where) is where
     assert store.data_dir(where) == f"{bucket}/p"
+
+
+# whether a data location is a directory or a bucket is asked only in store/; everywhere else a
+# location is listed, read, put and deleted the same way, or asked for a local directory (Location.local)
+_ASKS_REMOTE = re.compile(r"\bis_remote\(|startswith\(\s*[(]?\s*[\"']s3:|[\"']s3://[\"']|lightspan\.store\.objects"
+                          r"|from lightspan\.store import [^\n]*\bobjects\b")
+_PARTS = ("core", "collector", "tracing", "rollout", "lightningrl", "trainer", "dashboards", "lightspan")
+
+
+def test_nothing_outside_the_store_asks_whether_a_location_is_a_bucket():
+    root = Path(__file__).resolve().parents[2]
+    asking = [f"{path.relative_to(root)}:{n}: {line.strip()}" for part in _PARTS for path in sorted((root / part).rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1) if _ASKS_REMOTE.search(line)]
+    assert not asking, "\n".join(asking)
+    assert {p.name for p in root.iterdir() if (p / "__init__.py").is_file()} - {"tests", "examples"} == {*_PARTS, "store"}
+    assert _ASKS_REMOTE.search("if store.is_remote(self.data_dir):") and _ASKS_REMOTE.search('x.startswith("s3://")')
+    assert _ASKS_REMOTE.search("from lightspan.store import layout, objects")
+    assert not _ASKS_REMOTE.search("record['pr'] = parent.is_remote")     # an OpenTelemetry span context's
