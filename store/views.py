@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
 import duckdb
 
-from lightspan.store.files import table_files
-from lightspan.store.layout import data_dir, is_remote
+from lightspan.store.files import table_keys
+from lightspan.store.location import Location
 from lightspan.store.schema import PARTITIONED, REWARD_SCOPE, SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -201,13 +200,6 @@ _DERIVED = {
 }
 
 
-def _glob(root, table: str) -> str | None:
-    base = root / table
-    if not base.is_dir() or not any(base.rglob("*.parquet")):
-        return None
-    return str(base / "**" / "*.parquet")
-
-
 def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the views ``spans``, ``llm_calls``, ``rollouts``, ``rewards``,
     ``transitions``, ``train_steps`` and ``logs`` over the Parquet files of data directory ``path``
@@ -219,28 +211,22 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     opened (:func:`table_files`): open a connection per query or task to see newer ones. A table
     with no files yet is an empty view with the right columns.
     """
-    root = data_dir(path)
+    where = Location.of(path)
     con = duckdb.connect(database)
-    if is_remote(root):
-        from lightspan.store import objects
-
-        objects.register(con)            # read_parquet('s3://…') for readers that name files
+    where.register(con)                  # read_parquet('s3://…') for readers that name files
     for table, schema in SCHEMAS.items():
         con.register(f"_{table}_empty", schema.empty_table())
         source = f"SELECT * FROM _{table}_empty"
-        if table in PARTITIONED:         # a snapshot of the files: see table_files
-            files = table_files(root, table)
-            if files:
-                source = _files_source(con, root, table, files, hive=True)
-                if len(_collectors(root, table, files)) > 1:
+        if table in PARTITIONED:         # a snapshot of the files: see table_keys
+            keys = table_keys(where, table)
+            if keys:
+                source = _files_source(con, where, table, keys, hive=True)
+                if len(_collectors(table, keys)) > 1:
                     # a tree merged from several collectors (collector=<n>/date=…): a batch
                     # retried to another collector is in it twice, so this view deduplicates
                     source += f" QUALIFY {dedup_clause(table)}"
-        elif is_remote(root) and (files := _remote_flat_files(root, table)):
-            source = _files_source(con, root, table, files, hive=False)
-        elif not is_remote(root) and (glob := _glob(root, table)) is not None:
-            source = f"SELECT * FROM read_parquet('{glob}', hive_partitioning=false, union_by_name=true)"
-            source = with_all_columns(con, table, source)
+        elif (files := _flat_files(where, table)) is not None:
+            source = _files_source(con, where, table, files, hive=False)
         con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
     for name, sql in _VIEWS.items():
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
@@ -251,44 +237,51 @@ def connect(path: str | os.PathLike | None = None, *, database: str = ":memory:"
     return con
 
 
-def _files_source(con, root, table: str, files: list, *, hive: bool) -> str:
-    """A query over ``files`` of ``table``, with every column of its schema."""
-    if is_remote(root):
-        # a pyarrow dataset over the objects, with the table's schema (a column older files lack
-        # reads as null): DuckDB pushes projections and filters into its scan, and no file's
-        # footer is fetched before a query needs it (see lightspan.store.objects)
+def _files_source(con, where: Location, table: str, files: list[str] | str, *, hive: bool) -> str:
+    """A query over ``files`` of ``table`` (keys, or a glob DuckDB expands when a query runs), with
+    every column of its schema."""
+    if where.local() is None:
+        # in a bucket, a pyarrow dataset over the objects, with the table's schema (a column older
+        # files lack reads as null): DuckDB pushes projections and filters into its scan, and no
+        # file's footer is fetched before a query needs it (see lightspan.store.objects); on disk
+        # DuckDB's own Parquet reader is the faster (bench/README.md, "The store in a bucket")
         import pyarrow.dataset as ds
 
-        from lightspan.store import objects
-
         name = f"_{table}_files"
-        con.register(name, ds.dataset([objects.path_of(f) for f in files], schema=SCHEMAS[table],
-                                      format="parquet", filesystem=objects.filesystem()))
+        con.register(name, ds.dataset([where.fs_path(key) for key in files], schema=SCHEMAS[table],
+                                      format="parquet", filesystem=where.fs))
         return f"SELECT * FROM {name}"
-    listing = ", ".join(quote(str(f)) for f in files)
+    listing = quote(files) if isinstance(files, str) else "[" + ", ".join(quote(str(where.name(k))) for k in files) + "]"
     if hive:
-        source = f"SELECT * EXCLUDE (date) FROM read_parquet([{listing}], hive_partitioning=true, union_by_name=true)"
+        source = f"SELECT * EXCLUDE (date) FROM read_parquet({listing}, hive_partitioning=true, union_by_name=true)"
     else:
-        source = f"SELECT * FROM read_parquet([{listing}], hive_partitioning=false, union_by_name=true)"
+        source = f"SELECT * FROM read_parquet({listing}, hive_partitioning=false, union_by_name=true)"
     return with_all_columns(con, table, source)
 
 
-def _collectors(root, table: str, files: list) -> set[str]:
-    """The collectors whose trees ``files`` come from ("" for a collector's own ``date=…`` tree)."""
-    prefix = f"{root}/{table}/" if is_remote(root) else None
+def _collectors(table: str, keys: list[str]) -> set[str]:
+    """The collectors whose trees ``keys`` come from ("" for a collector's own ``date=…`` tree)."""
     found = set()
-    for f in files:
-        parts = (str(f)[len(prefix):] if prefix else str(Path(f).relative_to(Path(root) / table))).split("/")
+    for key in keys:
+        parts = key[len(table) + 1:].split("/")
         found.add(parts[0] if len(parts) > 2 else "")
     return found
 
 
-def _remote_flat_files(root: str, table: str) -> list[str]:
-    from lightspan.store import objects
-
-    return sorted(e.url for e in objects.list_files(f"{root}/{table}")
-                  if e.url.rsplit("/", 1)[-1].startswith("part-") and e.url.endswith(".parquet")
-                  and e.url.count("/") == f"{root}/{table}/x".count("/"))
+def _flat_files(where: Location, table: str) -> list[str] | str | None:
+    """What an unpartitioned table (``transitions``, ``train_steps``) reads, None when it has no
+    file: on disk DuckDB's glob of every Parquet file under its directory (expanded when a query
+    runs, so a long-lived connection sees files written since); in a bucket, where a glob would cost
+    a listing per query, the keys of its ``part-*.parquet`` objects now."""
+    directory = where.local(table)
+    if directory is not None:
+        if not directory.is_dir() or not any(directory.rglob("*.parquet")):
+            return None
+        return str(directory / "**" / "*.parquet")
+    depth = table.count("/") + 1
+    files = [e.key for e in where.list(table, stat=False)
+             if e.key.count("/") == depth and e.key.rsplit("/", 1)[-1].startswith("part-") and e.key.endswith(".parquet")]
+    return sorted(files) or None
 
 
 def with_all_columns(con: duckdb.DuckDBPyConnection, table: str, source: str) -> str:
