@@ -54,7 +54,19 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
     """Credit and advantages for the ready rollouts' calls (sorted by rollout, then call order),
     then the output rows of ``config.output`` and their statistics. ``calls``, ``rewards``, ``groups``
     and ``tokens`` are a :class:`.selection.Found`'s; ``now`` stamps ``created_unix_nano``; ``policy``
-    names the policy the rows train (None: the unnamed one)."""
+    names the policy the rows train (None: the unnamed one).
+
+    One rollout at a time it reads (tests/lightningrl/test_assignment.py runs this loop on random
+    rollouts and compares; here each line is one numpy call over every rollout)::
+
+        for each rollout i:
+            r = rewards_per_call(call ends, reward times, rewards)  # r_t: to the latest call ended by then
+            R[i] = the last reward received that scores the rollout  # final_rewards
+            credit[i] = POLICIES[config.credit](r, R[i], gamma)      # R for every call, or G_t
+            ret[i] = credit[i][0]                                    # the return from its first call
+        for each group g (the rollouts of one task), rollout i in g, call t of i:
+            advantage[i][t] = (credit[i][t] - b_g(i)) / s_g(i)       # ESTIMATORS: b, s from ret over g
+    """
     stats = empty_stats()
     group_of = groups.column("gidx").to_numpy()
     call_ridx = calls.column("ridx").to_numpy()

@@ -28,6 +28,28 @@ def test_discounted_is_return_to_go():
     np.testing.assert_allclose(discounted(np.array([0.3, 0.0, 1.0]), 1.0, 0.5), [0.55, 0.5, 1.0])
 
 
+def plain_return_to_go(r, gamma):
+    """G_t = r_t + γ G_{t+1}, G_T = 0, written as the textbook loop."""
+    G, future = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        future = r[t] + gamma * future
+        G[t] = future
+    return G
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_discounted_equals_the_plain_loop_on_random_rollouts(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, rng.integers(1, 20))
+    rewards = [rng.choice([0.0, 0.0, 1.0, -0.5, 0.25], n) for n in lengths]
+    gamma = float(rng.choice([1.0, 0.99, 0.9, 0.5]))
+    want = np.concatenate([plain_return_to_go(r.tolist(), gamma) for r in rewards])
+    got = discounted(np.concatenate(rewards), None, gamma, rollout_index=np.repeat(np.arange(len(lengths)), lengths))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    for r in rewards:                                    # and one rollout alone
+        np.testing.assert_allclose(discounted(r, None, gamma), plain_return_to_go(r.tolist(), gamma), atol=1e-12)
+
+
 def test_discounted_with_gamma_one_sums_the_rewards_still_to_come():
     np.testing.assert_allclose(discounted(np.array([1.0, 2.0, 3.0]), 3.0, 1.0), [6.0, 5.0, 3.0])
 
