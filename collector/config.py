@@ -74,6 +74,14 @@ class CollectorConfig:
         "with OTEL_EXPORTER_OTLP_HEADERS (authorization=Bearer <token>, the space URL-encoded). "
         "Without TLS it crosses the network in clear text; prefer the environment variable to "
         "--auth-token, which shows in the process list.")
+    reward_token: str = option(
+        "",
+        "Bearer token that a POST /v1/rewards needs to record a reward from a person, the judge or another "
+        "tool (source human, judge or api); with auth_token alone (what agents hold: lightspan rollout gives "
+        "them only that) a posted reward must be the agent's own (source agent), so the policy under "
+        "training cannot post a score as a person or the judge. It also opens everything auth_token opens "
+        "on the API (the web UI and the judge carry it). Empty = any client that may use the API may post "
+        "any source (set it wherever agents can reach the API).")
     tls_cert_file: str = option(
         "",
         "PEM certificate (chain) served on the gRPC, HTTP and API ports; set with tls_key_file. "
@@ -208,6 +216,13 @@ class CollectorConfig:
         if not isinstance(self.auth_token, str) or any(c.isspace() or not c.isprintable() for c in self.auth_token):
             fail("auth_token", "the token holds whitespace or control characters (it travels in an HTTP header)",
                  "use a printable token without spaces, e.g. from `openssl rand -hex 32`")
+        if not isinstance(self.reward_token, str) or any(c.isspace() or not c.isprintable()
+                                                         for c in self.reward_token):
+            fail("reward_token", "the token holds whitespace or control characters (it travels in an HTTP header)",
+                 "use a printable token without spaces, e.g. from `openssl rand -hex 32`")
+        if self.reward_token and self.reward_token == self.auth_token:
+            fail("reward_token", "it equals auth_token, which agents hold, so an agent could post a person's score",
+                 "give the reward token a value of its own")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
             fail(missing, "TLS needs both a certificate and its key", "set tls_cert_file and tls_key_file together")

@@ -245,7 +245,7 @@ class API(_Transport):
         if path == "/v1/flush":
             return self.flush()
         if path == "/v1/rewards":
-            return self.rewards(request.json(self.config.max_json_bytes))
+            return self.rewards(request.json(self.config.max_json_bytes), trusted=self.rewarder(request))
         if method == "POST":
             doc = request.json(self.config.max_json_bytes)
             return self.sql(doc.get("sql") if isinstance(doc, dict) else None)
@@ -282,12 +282,32 @@ class API(_Transport):
             return web.json_response(200, {"accepted": 0, "ignored": doc["event_type"]})
         return self.rewards(reward)
 
-    def rewards(self, doc) -> web.Response:
+    def check_auth(self, request: web.Request) -> ExportResult | None:
+        """The API opens to ``auth_token`` and to ``reward_token`` (the web UI and the judge carry it)."""
+        if self.config.reward_token and self.rewarder(request):
+            return None
+        return super().check_auth(request)
+
+    def rewarder(self, request: web.Request) -> bool:
+        """Whether ``request`` may post a reward of any source: it carries ``reward_token``, or none is set."""
+        token = self.config.reward_token
+        return not token or web.bearer(request.headers.get("authorization"), token)
+
+    def rewards(self, doc, trusted: bool = False) -> web.Response:
+        """Store posted rewards; one that is not the agent's own needs ``trusted`` (the reward token)."""
         try:
             request, recorded = api.reward_request(doc, time.time_ns(), self.collector.reward_key)
         except api.BadRequest as exc:
             self.collector.refuse(Outcome.INVALID, str(exc))
             return web.json_response(400, {"error": str(exc)})
+        claimed = sorted({r["source"] for r in recorded} - {"agent"})
+        if claimed and not trusted:
+            message = (f"a reward of source {', '.join(map(repr, claimed))} needs collector.reward_token "
+                       "('Authorization: Bearer <reward_token>'); with auth_token a reward is the agent's own: "
+                       "send \"source\": \"agent\"")
+            self.collector.metrics.add("reward_source_refusals_total")
+            self.collector.refuse(Outcome.UNAUTHENTICATED, message)
+            return web.json_response(403, {"error": message})
         export = lambda req: self.collector.export(req.SerializeToString(), "protobuf", own=True)   # noqa: E731
         try:
             with self.reward_posts.take():   # one at a time (the re-post rule reads the store), never behind queries

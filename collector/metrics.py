@@ -27,6 +27,8 @@ COUNTERS = {
     "events_ignored_total": "Agent Lightning events acknowledged but not stored (an event_type other than reward).",
     "reward_forgeries_total": "OTLP spans rejected because they claimed the reward scope only the API writes "
                               "(lightspan.collector.rewards).",
+    "reward_source_refusals_total": "POST /v1/rewards refused (403) because a reward's source was not the agent's "
+                                    "and the request did not carry reward_token.",
     "reward_claims_total": "OTLP spans whose lightspan.reward.source claim was set aside: stored as the agent's.",
     "evaluations_received_total": "gen_ai.evaluation.result events read (log records and span events), WAL replay "
                                   "included.",

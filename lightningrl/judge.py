@@ -73,7 +73,8 @@ class JudgeConfig:
     judge_model: str = option("policy", "Model name the judge is called with.")
     api_key: str = option("lightspan", "API key sent to the judge endpoint.", env="LIGHTSPAN_JUDGE_API_KEY")
     collector_url: str = option("http://127.0.0.1:8321", "The collector's API, where rewards are posted.")
-    collector_token: str = option("", "The collector's bearer token, if it has one.",
+    collector_token: str = option("", "The collector's bearer token, if it has one: its reward_token where it "
+                                  "has one (a judge's score needs it), else its auth_token.",
                                   env="LIGHTSPAN_COLLECTOR_AUTH_TOKEN")
     reward_name: str = option("judge", "Name of the rewards the judge posts.")
     split: str = option("", "Judge only rollouts of this split (empty: every split).")

@@ -11,4 +11,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
     || echo "setup: could not install chromium; the browser tests will be skipped"
 fi
+# bubblewrap (and prlimit) for examples/sandbox: Debian's packages where missing, its tests skip otherwise
+bash examples/sandbox/setup.sh
 exec .venv/bin/python -m pytest "$@"

@@ -292,3 +292,14 @@ def _collect(proc: subprocess.Popen, status_fd: int, deadline: float, keep: int)
         if isinstance(doc, dict):
             status.update(doc)
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), status, timed_out, truncated
+
+
+if __name__ == "__main__":   # python examples/sandbox/sandbox.py ['PROGRAM']: check the sandbox, run a program
+    import sys
+
+    try:
+        box = Sandbox(SandboxConfig.from_env())
+        box.check()
+        print(json.dumps(dataclasses.asdict(box.run(sys.argv[1] if len(sys.argv) > 1 else "print('sandbox ok')"))))
+    except (SandboxUnavailable, ValueError) as e:
+        sys.exit(f"sandbox unavailable: {e}")

@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 
+import pytest
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
@@ -21,6 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightspan import store
+from lightspan.collector.config import CollectorConfig
+from lightspan.core.config import ConfigError
 from lightspan.lightningrl.builder import build_transitions
 from lightspan.lightningrl.config import TransitionsConfig
 from lightspan.tracing import semconv as sc
@@ -199,3 +202,43 @@ def test_the_sdk_exporter_of_an_agent_that_claims_a_source_still_succeeds(collec
     assert exported == SpanExportResult.SUCCESS
     collector.flush()
     assert query(data_dir, "SELECT source FROM rewards") == [("agent",)]
+
+
+# --- a posted reward's source is the credential's, not the sender's word ------------------------------
+
+def test_an_agent_holding_the_ingest_token_cannot_post_a_persons_or_the_judges_score(collector_factory, data_dir):
+    """An agent knows the collector's API (lightspan rollout gives it AGL_EVENT_URL) and the ingest
+    token its exporter sends. With ``reward_token`` set, a reward it posts as a person, the judge or
+    a tool is refused and nothing of it is stored; its own score (source agent) is taken; the web UI
+    and the judge, which carry the reward token, post any source and read the API with it."""
+    collector = collector_factory(auth_token="ingest-token", reward_token="reward-token")
+    url = api_url(collector, "/v1/rewards")
+    agent = {"Authorization": "Bearer ingest-token"}
+    for source in ("human", "judge", "api", None):       # no source is the API's default, "api"
+        reward = {"rollout_id": "r-1", "value": 1.0, "name": f"score-{source}"}
+        answer = requests.post(url, json=reward if source is None else {**reward, "source": source},
+                               headers=agent, timeout=10)
+        assert answer.status_code == 403, answer.text
+        assert "reward_token" in answer.json()["error"]
+    # a list that hides one person's score among the agent's own is refused whole
+    mixed = [{"rollout_id": "r-1", "value": 0.5, "source": "agent"}, {"rollout_id": "r-1", "value": 1.0,
+                                                                       "name": "h", "source": "human"}]
+    assert requests.post(url, json=mixed, headers=agent, timeout=10).status_code == 403
+    assert collector.health()["reward_source_refusals_total"] == 5
+    own = requests.post(url, json={"rollout_id": "r-1", "value": 0.25, "source": "agent"}, headers=agent, timeout=10)
+    assert own.status_code == 200, own.text
+    person = {"Authorization": "Bearer reward-token"}
+    human = requests.post(url, json={"rollout_id": "r-1", "value": 0.0, "name": "ui", "source": "human"},
+                          headers=person, timeout=10)
+    assert human.status_code == 200, human.text
+    sql = requests.get(api_url(collector, "/v1/sql"), params={"q": "SELECT 1"}, headers=person, timeout=10)
+    assert sql.status_code == 200, sql.text                      # the UI reads with the same token
+    assert requests.post(url, json={"rollout_id": "r-1", "value": 1.0, "source": "human"},
+                         timeout=10).status_code == 401          # and no token is still no entry
+    collector.flush()
+    assert sorted(query(data_dir, "SELECT source, reward FROM rewards")) == [("agent", 0.25), ("human", 0.0)]
+
+
+def test_a_reward_token_equal_to_the_ingest_token_refuses_to_start(tmp_path):
+    with pytest.raises(ConfigError, match="reward_token"):
+        CollectorConfig(data_dir=str(tmp_path), auth_token="same", reward_token="same")
