@@ -108,7 +108,8 @@ def count_log_records(request: ExportLogsServiceRequest) -> int:
 
 
 def parse_json_logs_request(body: bytes) -> ExportLogsServiceRequest:
-    """OTLP/JSON logs (``application/json``), with the same rules as :func:`parse_json_request`."""
+    """OTLP/JSON logs (``application/json``), with the same rules as
+    :func:`lightspan.collector.otlp_parse.parse_json_request`."""
     doc = json_doc(body)
     for r, rl in enumerate(items(doc, "resourceLogs", "resource_logs")):
         for s, sl in enumerate(items(rl, "scopeLogs", "scope_logs")):

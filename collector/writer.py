@@ -2,15 +2,16 @@
 
 ::
 
-    export ─ {WAL write; enqueue} → fsync → ack      every flush_interval_s or flush():
+    export ─ {WAL write; enqueue} → fsync → ack      every flush_interval_s or flush_counts():
                                                      {rotate WAL; drain queue} ─ flatten ─ dedup ─
                                                      Parquet; delete the closed segments; compact;
                                                      expire old partitions
 
 :meth:`Writer.enqueue` is the admission of an export (the queue is bounded by ``max_queue_bytes``:
 bytes accepted, not yet in Parquet; past it, a retryable refusal); an export is acknowledged only
-after its bytes are fsynced in the WAL (:meth:`Writer.sync`). The store is deduplicated at write
-time (:mod:`lightspan.collector.dedup`): the writer drops a span (or log record) it wrote within
+after its bytes are fsynced in the WAL (:meth:`lightspan.collector.wal.WAL.sync`, which concurrent
+exports share). The store is deduplicated at write time (:mod:`lightspan.collector.dedup`): the
+writer drops a span (or log record) it wrote within
 ``dedup_window_s``, a replayed row already in Parquet, and a repeat within one flush. After a crash
 the WAL replays into Parquet (:meth:`Writer.open`) before the receivers serve.
 """
@@ -189,8 +190,9 @@ class Writer:
         return None
 
     def flush_counts(self, final: bool = False) -> dict[str, int]:
-        """Like :meth:`flush`; returns ``{"spans": n, "logs": m}`` rows written. ``final``: evaluations
-        still waiting for their span are stored now (the collector stops)."""
+        """Write everything accepted so far to Parquet (the WAL rotated, the queue drained); returns
+        ``{"spans": n, "logs": m}`` rows written. ``final``: evaluations still waiting for their span
+        are stored now (the collector stops)."""
         with self._flush_lock:
             written = {"spans": 0, "logs": 0}
             if self.wal is None:
