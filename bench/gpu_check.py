@@ -247,7 +247,7 @@ def run(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightspan.trainer.config import TrainerConfig
-    from lightspan.trainer.batches import Batch, Cursor
+    from lightspan.trainer.batches import Batch, Cursor, as_table
     from lightspan.trainer.loop import Trainer
 
     cuda = torch.cuda.is_available()
@@ -278,7 +278,7 @@ def run(args) -> dict:
         step_times, losses = [], []
         for step in range(args.warmup + args.steps):
             rows = synthetic_rows(args.batch, args.prompt_len, args.completion_len, config.vocab_size, seed=step)
-            batch = Batch(rows=rows, cursor=Cursor(step, f"t{step}"), reward_mean=0.5)
+            batch = Batch(table=as_table(rows), cursor=Cursor(step, f"t{step}"), reward_mean=0.5)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.monotonic()

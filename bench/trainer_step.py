@@ -10,7 +10,8 @@ torch AdamW (lr 1e-6; the fused kernel for all three, as the trainer uses it: TR
 
 1. lightspan: ``Trainer.step`` (trainer/loop.py), loss ``dapo``, truncated IS against the
    behaviour logprobs on: collate from the rows, token logprobs and entropy, the clipped loss,
-   backward, metrics, gradient clipping, AdamW. Timed from the rows in the store's form.
+   backward, metrics, gradient clipping, AdamW. Timed from the rows in the store's form (the
+   Arrow table next_batch reads).
 2. raw: the floor any trainer pays on this batch. The micro-batches are collated before the
    clock starts; per micro-batch one forward (the same ``logits_to_keep`` and position ids),
    log-softmax gathered at the completion tokens, ``-(A log p)`` summed over the mask, divided
@@ -46,8 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
+from lightspan import store
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.batches import Batch, Cursor, collate
 from lightspan.trainer.loop import Trainer
@@ -91,10 +94,10 @@ class Lightspan:
                             micro_batch_size=micro, batch_size=len(rows), learning_rate=LR, **extra)
         self.trainer = Trainer(cfg)
         self.trainer.load_or_init()
-        self.rows = rows
+        self.table = pa.Table.from_pylist(rows, schema=store.TRANSITION_SCHEMA)   # as next_batch reads it
 
     def step(self) -> None:
-        self.trainer.step(Batch(rows=self.rows, cursor=Cursor(0, "t"), reward_mean=0.5))
+        self.trainer.step(Batch(table=self.table, cursor=Cursor(0, "t"), reward_mean=0.5))
 
 
 class Raw:

@@ -3,16 +3,23 @@
 - :func:`next_batch` chooses the transitions after the data cursor, oldest first, in DuckDB: it
   skips (and counts) the stale, the malformed and the zero-advantage ones, and takes at most
   ``batch_size`` (the loop's module docstring, choices 1-3).
-- :func:`collate` pads a list of transition rows into one :class:`MicroBatch`.
+- :func:`collate` pads transition rows into one :class:`MicroBatch`.
 - :func:`shard_groups` splits a batch between data-parallel ranks, whole groups each
   (the loop's module docstring, choice 5); :func:`micro_batches` cuts one rank's share.
+
+A batch stays an Arrow table from DuckDB to the tensors: a token list column is one flat buffer
+and its offsets, padded into a tensor in one vectorised assignment, never a Python int per token.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from lightspan import store
@@ -29,13 +36,18 @@ class Cursor:
 
 @dataclass
 class Batch:
-    rows: list[dict]                  # transitions to train on, oldest first
+    table: pa.Table                   # transitions to train on, oldest first (next_batch's columns)
     cursor: Cursor                    # where the cursor goes once they are trained
     skipped_stale: int = 0            # model_version < version - max_staleness, or unknown
     skipped_malformed: int = 0        # no tokens, logprobs misaligned or not finite, ids outside the vocab, too long
     zero_advantage: int = 0           # no gradient: left out of the forward pass
     reward_mean: float | None = None  # over the rollouts of the fresh transitions consumed
     staleness_mean: float = 0.0       # version - model_version over the trained rows
+
+    @property
+    def rows(self) -> list[dict]:
+        """The transitions as Python dicts, to look at (tests, a debugger); the step reads ``table``."""
+        return self.table.to_pylist()
 
 
 @dataclass
@@ -48,66 +60,127 @@ class MicroBatch:
     temperatures: torch.Tensor        # (B,): the sampling temperature vLLM's logprobs were taken at
 
 
-def collate(rows: list[dict], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+Rows = pa.Table | Sequence[dict]
+"""Transitions as the store reads them (an Arrow table), or as dicts of the same columns (tests)."""
+
+
+def as_table(rows: Rows) -> pa.Table:
+    return rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows))
+
+
+def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list column as (flat values, lengths, null rows): the values of its non-null rows in row
+    order, each row's length (0 when null) and which rows are null (a missing column is all null)."""
+    if name not in table.column_names:
+        n = table.num_rows
+        return np.zeros(0), np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+    column = table.column(name).combine_chunks()
+    if pa.types.is_null(column.type):
+        return np.zeros(0), np.zeros(len(column), dtype=np.int64), np.ones(len(column), dtype=bool)
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return (column.flatten().to_numpy(zero_copy_only=False), lengths,
+            column.is_null().to_numpy(zero_copy_only=False))
+
+
+def _pad(values: np.ndarray, lengths: np.ndarray, side: str, fill, dtype: type,
+         width: int | None = None) -> np.ndarray:
+    """(B, width) with row i's ``lengths[i]`` values (taken in order from ``values``) at the
+    ``side`` end and ``fill`` elsewhere; ``width`` defaults to the longest row. In numpy: its
+    boolean-mask assignment is ~500x faster than torch's on CPU (measured, 8 x 1300 tokens)."""
+    width = int(lengths.max(initial=0)) if width is None else width
+    out = np.full((len(lengths), width), fill, dtype=dtype)
+    columns = np.arange(width)[None, :]
+    filled = columns < lengths[:, None] if side == "right" else columns >= width - lengths[:, None]
+    out[filled] = values                    # row-major: the flat values in row order
+    return out
+
+
+def _floats(table: pa.Table, name: str, default: float) -> np.ndarray:
+    """A float column with nulls, and a missing column, as ``default``."""
+    if name not in table.column_names:
+        return np.full(table.num_rows, default, dtype=np.float64)
+    column = pc.cast(table.column(name), pa.float64())
+    return pc.fill_null(column, default).to_numpy().astype(np.float64)
+
+
+def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
     """Left-pad the prompts and right-pad the completions, so completions end the sequence.
 
     A row's ``completion_mask`` (per-rollout transitions) is 0 on completion tokens the model did
     not sample (tool output, user turns): they stay in the attention, out of the loss. Without
     one (null) every completion token is trained.
     """
-    from trl.trainer.utils import pad
-
-    def ints(key):
-        return [torch.tensor(r[key], dtype=torch.long) for r in rows]
-
-    prompts, completions = ints("prompt_token_ids"), ints("completion_token_ids")
-    ones = lambda ts: [torch.ones_like(t) for t in ts]  # noqa: E731
-    trained = [torch.tensor(r["completion_mask"], dtype=torch.long) if r.get("completion_mask") is not None
-               else torch.ones_like(c) for r, c in zip(rows, completions)]
-    input_ids = torch.cat([pad(prompts, pad_id, "left"), pad(completions, pad_id, "right")], dim=1)
-    completion_mask = pad(trained, 0, "right")
-    attention_mask = torch.cat([pad(ones(prompts), 0, "left"), pad(ones(completions), 0, "right")], dim=1)
-    behaviour = pad([torch.tensor(r["completion_logprobs"], dtype=torch.float32) for r in rows], 0.0, "right")
-    advantages = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
+    table = as_table(rows)
+    prompt, prompt_len, _ = _lists(table, "prompt_token_ids")
+    completion, completion_len, _ = _lists(table, "completion_token_ids")
+    mask, mask_len, no_mask = _lists(table, "completion_mask")
+    width = int(completion_len.max(initial=0))
+    input_ids = np.concatenate([_pad(prompt, prompt_len, "left", pad_id, np.int64),
+                                _pad(completion, completion_len, "right", pad_id, np.int64)], axis=1)
+    attention_mask = np.concatenate([_pad(1, prompt_len, "left", 0, np.int64),
+                                     _pad(1, completion_len, "right", 0, np.int64)], axis=1)
+    completion_mask = _pad(1, completion_len, "right", 0, np.int64)
+    if not no_mask.all():     # the rows with a mask: theirs (the same length as their completion)
+        completion_mask[~no_mask] = _pad(mask, mask_len[~no_mask], "right", 0, np.int64, width)
+    logprobs, logprob_len, _ = _lists(table, "completion_logprobs")
+    behaviour = _pad(logprobs, logprob_len, "right", 0.0, np.float32)
+    advantages = _floats(table, "advantage", 0.0).astype(np.float32)
     # vLLM's processed logprobs are of the tempered distribution softmax(z / T); no temperature
     # recorded, or greedy (0), means the untempered one
-    temperatures = torch.tensor([float(r.get("temperature") or 1.0) for r in rows], dtype=torch.float32)
-    return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, completion_mask, behaviour, advantages,
-                                                temperatures)))
+    temperature = _floats(table, "temperature", 1.0)
+    temperatures = np.where(temperature == 0, 1.0, temperature).astype(np.float32)
+    return MicroBatch(*(torch.from_numpy(a).to(device) for a in (
+        input_ids, attention_mask, completion_mask, behaviour, advantages, temperatures)))
 
 
-def shard_groups(rows: list[dict], num_shards: int) -> list[list[int]]:
+def token_totals(rows: Rows) -> tuple[list[int], int]:
+    """Each row's completion length, and the tokens the loss trains over all rows (the mask's ones,
+    else every completion token)."""
+    table = as_table(rows)
+    _, lengths, _ = _lists(table, "completion_token_ids")
+    mask, mask_len, no_mask = _lists(table, "completion_mask")
+    return lengths.tolist(), int(lengths[no_mask].sum() + mask.sum())
+
+
+def shard_groups(rows: Rows, num_shards: int) -> list[list[int]]:
     """Split a batch between ranks: row indices per shard, each shard in batch order.
 
     A group (the transitions of one task, else of one rollout) stays on one rank. Groups go,
     largest first, to the shard with the fewest tokens so far (ties: the lower shard), so every
     rank computes the same split. A shard may be empty when there are fewer groups than ranks.
     """
+    table = as_table(rows)
+    # the first of task_id, rollout_id, transition_id that is neither null nor empty
+    key = [task or rollout or tid for task, rollout, tid in zip(
+        *(table.column(k).to_pylist() if k in table.column_names else [None] * table.num_rows
+          for k in ("task_id", "rollout_id")), table.column("transition_id").to_pylist())]
+    tokens = _lists(table, "prompt_token_ids")[1] + _lists(table, "completion_token_ids")[1]
     groups: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-        groups.setdefault(r.get("task_id") or r.get("rollout_id") or r["transition_id"], []).append(i)
+    for i, k in enumerate(key):
+        groups.setdefault(k, []).append(i)
 
-    def tokens(indices: list[int]) -> int:
-        return sum(len(rows[i]["prompt_token_ids"]) + len(rows[i]["completion_token_ids"]) for i in indices)
+    def size(indices: list[int]) -> int:
+        return int(tokens[indices].sum())
 
     shards: list[list[int]] = [[] for _ in range(num_shards)]
     load = [0] * num_shards
-    for indices in sorted(groups.values(), key=lambda g: (-tokens(g), g[0])):
+    for indices in sorted(groups.values(), key=lambda g: (-size(g), g[0])):
         k = min(range(num_shards), key=lambda j: (load[j], j))
         shards[k] += indices
-        load[k] += tokens(indices)
+        load[k] += size(indices)
     return [sorted(s) for s in shards]
 
 
-def micro_batches(rows: list[dict], *, rank: int, num_ranks: int, size: int, pad_id: int,
+def micro_batches(rows: Rows, *, rank: int, num_ranks: int, size: int, pad_id: int,
                   device) -> tuple[list[MicroBatch], int]:
     """Rank ``rank``'s micro-batches of ``rows`` and how many of them are real: the others repeat
     one row and are trained with weight 0, so that every rank runs as many passes as the busiest one."""
-    shards = shard_groups(rows, num_ranks) if num_ranks > 1 else [list(range(len(rows)))]
-    mine = [rows[i] for i in shards[rank]]
-    chunks = [mine[i:i + size] for i in range(0, len(mine), size)]
+    table = as_table(rows)
+    shards = shard_groups(table, num_ranks) if num_ranks > 1 else [list(range(table.num_rows))]
+    mine = table.take(pa.array(shards[rank], pa.int64())) if num_ranks > 1 else table
+    chunks = [mine.slice(i, size) for i in range(0, mine.num_rows, size)]
     live = len(chunks)
-    chunks += [rows[:1]] * (max(-(-len(s) // size) for s in shards) - live)
+    chunks += [table.slice(0, 1)] * (max(-(-len(s) // size) for s in shards) - live)
     return [collate(c, pad_id, device) for c in chunks], live
 
 
@@ -162,31 +235,32 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
             cutoff = Cursor(*keys[-1])              # full batch: later rows wait for the next step
         else:
             cutoff = Cursor(*con.execute("SELECT created_unix_nano, transition_id FROM new "
-                                         "ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchone())
+                                         "ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchall()[0])
         upto = {"created": cutoff.created_unix_nano, "tid": cutoff.transition_id}
         stale, malformed, zero = con.execute(f"""
             SELECT count(*) FILTER (WHERE NOT fresh),
                    count(*) FILTER (WHERE fresh AND NOT wellformed),
                    count(*) FILTER (WHERE fresh AND wellformed AND NOT nonzero)
-            FROM new WHERE {_UPTO}""", upto).fetchone()
+            FROM new WHERE {_UPTO}""", upto).fetchall()[0]
         reward_mean = con.execute(f"""
             SELECT avg(reward) FROM (SELECT any_value(reward) AS reward FROM new
-                                     WHERE fresh AND {_UPTO} GROUP BY rollout_id)""", upto).fetchone()[0]
-        # the range filter lets DuckDB skip row groups by their min/max statistics
-        cur = con.execute("""
+                                     WHERE fresh AND {_UPTO} GROUP BY rollout_id)""", upto).fetchall()[0][0]
+        # the range filter lets DuckDB skip row groups by their min/max statistics; read as Arrow
+        # (con.sql: a result of execute() would be copied once more), every result before it fetched
+        table = con.sql("""
             SELECT t.transition_id, t.rollout_id, t.task_id, t.prompt_token_ids, t.completion_token_ids,
                    t.completion_logprobs, t.completion_mask, t.model_version, t.temperature, t.reward, t.advantage,
                    t.created_unix_nano
             FROM transitions t JOIN chosen c USING (created_unix_nano, transition_id)
             WHERE t.created_unix_nano BETWEEN $first AND $last
             ORDER BY t.created_unix_nano, t.transition_id""",
-            {"first": keys[0][0], "last": keys[-1][0]})
-        names = [d[0] for d in cur.description]
-        rows = [dict(zip(names, values)) for values in cur.fetchall()]
+            params={"first": keys[0][0], "last": keys[-1][0]}).to_arrow_table()
     finally:
         con.close()
-    rows = list({r["transition_id"]: r for r in rows}.values())   # a file listed twice reads twice
-    staleness = [version - r["model_version"] for r in rows]
-    return Batch(rows=rows, cursor=cutoff, skipped_stale=stale, skipped_malformed=malformed,
-                 zero_advantage=zero, reward_mean=reward_mean,
-                 staleness_mean=sum(staleness) / len(staleness))
+    # a file listed twice reads twice: each transition once, at its first row
+    _, first = np.unique(table.column("transition_id").to_numpy(zero_copy_only=False), return_index=True)
+    if len(first) < table.num_rows:
+        table = table.take(np.sort(first))
+    staleness = version - pc.cast(table.column("model_version"), pa.float64()).to_numpy()
+    return Batch(table=table, cursor=cutoff, skipped_stale=stale, skipped_malformed=malformed,
+                 zero_advantage=zero, reward_mean=reward_mean, staleness_mean=float(staleness.mean()))

@@ -20,7 +20,7 @@ import time
 import torch
 
 from lightspan.trainer import distributed as dist
-from lightspan.trainer.batches import Batch, micro_batches
+from lightspan.trainer.batches import Batch, micro_batches, token_totals
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import reference
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
@@ -33,13 +33,11 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     cfg, device = config, accelerator.device
     t0 = time.monotonic()
     model.train()
-    micro, live = micro_batches(batch.rows, rank=accelerator.process_index,   # this rank's share
+    micro, live = micro_batches(batch.table, rank=accelerator.process_index,   # this rank's share
                                 num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
                                 pad_id=pad_id, device=device)
-    lengths = [len(r["completion_token_ids"]) for r in batch.rows]
-    trained = [n if r.get("completion_mask") is None else sum(r["completion_mask"])
-               for r, n in zip(batch.rows, lengths)]
-    totals = BatchTotals(len(batch.rows), sum(trained), max(lengths))
+    lengths, trained = token_totals(batch.table)
+    totals = BatchTotals(batch.table.num_rows, trained, max(lengths))
 
     # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
     old = [None] * len(micro)
@@ -83,14 +81,14 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
 
     weight = max(totals.num_tokens * cfg.num_iterations, 1)
     metrics = {key: value / weight for key, value in sums.items()}
-    advantages = [abs(float(r["advantage"])) for r in batch.rows]
-    signed = torch.tensor([float(r["advantage"]) for r in batch.rows], dtype=torch.float64)
+    advantages = batch.table.column("advantage").to_pylist()     # one per transition
+    signed = torch.tensor(advantages, dtype=torch.float64)
     metrics["advantage_std"] = float(signed.std(unbiased=False))
     metrics["tokens_per_second"] = totals.num_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
     metrics.update({
         "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
-        "num_transitions": len(batch.rows), "num_tokens": totals.num_tokens,
-        "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(advantages) / len(advantages),
+        "num_transitions": batch.table.num_rows, "num_tokens": totals.num_tokens,
+        "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(map(abs, advantages)) / len(advantages),
         "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
         "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
         "step_seconds": time.monotonic() - t0})
