@@ -12,7 +12,7 @@ chat completions and Responses, anthropic Messages), streamed and not.
    not, as vLLM does. It stands in for vLLM only to isolate the client's side: with a real model
    the server's time dwarfs and blurs the client's. Streamed calls get one event per token, as vLLM
    sends them. An Anthropic call without lightspan goes to ``/v1/messages``; with it, converted, to
-   the chat completions (tracing/anthropic_convert.py), so its overhead includes the conversion.
+   the chat completions (tracing/protocols/anthropic_convert.py), so its overhead includes the conversion.
 2. One agent process: an SDK tracer provider with a BatchSpanProcessor whose exporter encodes
    every batch to OTLP protobuf and drops it (the network is not measured), traceloop's OpenAI
    instrumentation (the one we ship with) on, lightspan's instrumentor on, and two ``openai``
@@ -307,7 +307,8 @@ def breakdown(args) -> dict:
     from openai._streaming import ServerSentEvent, SSEDecoder
     from opentelemetry.sdk.trace import TracerProvider
 
-    from lightspan.tracing.capture import Capture, loads
+    from lightspan.tracing.protocols.base import loads
+    from lightspan.tracing.protocols.chat import Capture
     from lightspan.tracing.sse import SSEParser
 
     canned = capture_stub.bodies(args.prompt_tokens, args.completion_tokens)

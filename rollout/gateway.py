@@ -1,9 +1,10 @@
 """``lightspan gateway``: an OpenAI- and Anthropic-compatible proxy in front of vLLM for agents we cannot instrument.
 
 A non-Python agent, or one whose client we do not patch, points its OpenAI (or Anthropic) base URL
-at the gateway. For the generation paths of :data:`~lightspan.rollout.protocols.ENDPOINTS` (``POST
+at the gateway. For the generation paths of :data:`~lightspan.rollout.paths.ENDPOINTS` (``POST
 /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and Anthropic's ``/v1/messages``,
-streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol sends and answers) the gateway
+streaming or not; each protocol's row in :data:`lightspan.tracing.protocols.PROTOCOLS` has what it sends
+and answers, :mod:`lightspan.rollout.exchanges` the HTTP side) the gateway
 
 1. asks vLLM for the token ids and sampled-token logprobs (for Anthropic Messages: through the
    chat completion vLLM makes of the request, as the instrumentor does);
@@ -25,7 +26,7 @@ streaming or not; :mod:`lightspan.rollout.exchanges` has what each protocol send
 
 The other paths of the table (``GET /v1/models``, embeddings, Anthropic's token count) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
-unauthenticated (see :mod:`lightspan.rollout.protocols`). Nothing of one caller reaches another:
+unauthenticated (see :mod:`lightspan.rollout.paths`). Nothing of one caller reaches another:
 the upstream client keeps no cookies (:mod:`lightspan.rollout.upstream`) and the caller gets
 vLLM's body and content type only.
 Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 and
@@ -63,16 +64,17 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from lightspan.core import web
 from lightspan.core.config import ConfigError, redact
-from lightspan.rollout import protocols
+from lightspan.rollout import paths
 from lightspan.rollout.admission import Admission, PolicyVersion
 from lightspan.rollout.gateway_config import GatewayConfig
-from lightspan.rollout.exchanges import Exchange, error_body, exchange, invalid
-from lightspan.rollout.protocols import ENDPOINTS, call_attributes, dumps, route
+from lightspan.rollout.exchanges import Exchange, error_body, invalid
+from lightspan.rollout.paths import ENDPOINTS, call_attributes, route
 from lightspan.rollout.replicas import Upstreams, untraced_key
 from lightspan.rollout.routing import served_attributes, served_model
 from lightspan.rollout.upstream import Upstream, lines
-from lightspan.tracing import messages, semconv, urls
-from lightspan.tracing.capture import loads
+from lightspan.tracing import messages, semconv
+from lightspan.tracing.protocols import Protocol
+from lightspan.tracing.protocols.base import dumps, loads
 
 __all__ = ["Gateway", "GatewayConfig", "route", "serve"]
 
@@ -83,10 +85,10 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _ADMIN_BODY_BYTES = 64 << 10
 
 
-def _error(api: str | None, code: int, message: str, headers: dict | None = None,
+def _error(protocol: Protocol | None, code: int, message: str, headers: dict | None = None,
            param: str | None = None) -> web.Response:
     """An error answer in the shape of the caller's protocol (Anthropic's for ``/v1/messages``)."""
-    return web.Response(code, "application/json", error_body(api, code, message, param), dict(headers or {}))
+    return web.Response(code, "application/json", error_body(protocol, code, message, param), dict(headers or {}))
 
 
 class Gateway:
@@ -136,7 +138,7 @@ class Gateway:
             return self._route(request)
         except web.HTTPError as exc:
             headers = {**exc.headers, **({"Connection": "close"} if exc.close else {})}
-            return _error(protocols.api_of(request.raw_path.decode("latin-1")), exc.status, exc.message, headers)
+            return _error(paths.protocol_of(request.raw_path.decode("latin-1")), exc.status, exc.message, headers)
 
     def _route(self, request: web.Request) -> web.Response | None:
         self.guard.check(request)
@@ -146,14 +148,14 @@ class Gateway:
         if path.startswith("/admin/"):
             return self._admin(request)
         raw = request.raw_path.decode("latin-1")
-        why = protocols.unsafe(raw)
+        why = paths.unsafe(raw)
         if why:
             raise web.HTTPError(400, why)
         routed = route(raw + (f"?{request.query}" if request.query else ""))
         if routed is None:
             raise web.HTTPError(404, f"no route {path}; the OpenAI API is under /v1")
         path_attrs, upstream = routed
-        endpoint = protocols.endpoint(upstream)
+        endpoint = paths.endpoint(upstream)
         if endpoint is None:
             raise web.HTTPError(404, f"{upstream.split('?')[0]} is not served through the gateway; it serves "
                                       f"{', '.join(sorted(ENDPOINTS))}")
@@ -161,9 +163,9 @@ class Gateway:
             raise web.HTTPError(405, f"use {' or '.join(endpoint.methods)} on {upstream.split('?')[0]}",
                                  {"Allow": ", ".join(endpoint.methods)})
         ids = call_attributes(path_attrs, request.header_list)   # a repeated x-lightspan-* header: its first value
-        if endpoint.api is None:
+        if endpoint.protocol is None:
             return self._passthrough(request, upstream, ids)
-        return self._generate(request, endpoint.api, upstream, ids)
+        return self._generate(request, endpoint.protocol, upstream, ids)
 
     def _admin(self, request: web.Request) -> web.Response:
         if not web.bearer(request.headers.get("authorization"), self.cfg.admin_token):
@@ -242,34 +244,35 @@ class Gateway:
         try:
             resp = self._send(request.method, upstream, self._upstream_headers(request), body, key=key)
         except requests.RequestException as e:
-            return _error(protocols.api_of(upstream), 502, f"upstream unreachable: {e}")
+            return _error(paths.protocol_of(upstream), 502, f"upstream unreachable: {e}")
         return web.Response(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
 
     # --- the traced generation call ------------------------------------------------------------
-    def _generate(self, request: web.Request, api: str, upstream: str, ids: dict) -> web.Response | None:
+    def _generate(self, request: web.Request, protocol: Protocol, upstream: str, ids: dict) -> web.Response | None:
         # the whole body first: a client that never sends it holds no slot
         asked = request.json(self.cfg.max_body_bytes)
         if not isinstance(asked, dict):
             raise web.HTTPError(400, "request body is not a JSON object")
-        bad = invalid(api, asked)       # a field the gateway reads, of the wrong type: the caller's error
+        bad = invalid(protocol, asked)       # a field the gateway reads, of the wrong type: the caller's error
         if bad is not None:
             self.admission.count("refused_invalid")
-            return _error(api, 400, bad[1], param=bad[0])
+            return _error(protocol, 400, bad[1], param=bad[0])
         refused = self.admission.enter()
         if refused:
             raise web.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
             asked = self._routed(asked, ids.get(semconv.GEN_AI_AGENT_NAME))
-            return self._traced(request, exchange(api, asked, upstream, self.cfg.strip_capture_fields), ids)
+            ex = Exchange(protocol, asked, upstream, self.cfg.strip_capture_fields, self.cfg.capture_content)
+            return self._traced(request, ex, ids)
         finally:
             self.admission.leave()
 
     def _traced(self, request: web.Request, ex: Exchange, ids: dict) -> web.Response | None:
         model = str(ex.asked.get("model", ""))
-        op = urls.OPERATION[ex.api]
+        op = ex.protocol.operation
         attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
-                               semconv.GEN_AI_PROVIDER_NAME: ex.system, **ids})
+                               semconv.GEN_AI_PROVIDER_NAME: ex.protocol.provider, **ids})
         if self.cfg.capture_content:
             try:
                 attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(ex.inputs())
@@ -288,7 +291,7 @@ class Gateway:
                 resp = self._send("POST", ex.upstream, headers, dumps(ex.body()).encode(), stream, key)
             except requests.RequestException as e:
                 self._upstream_failed(span, f"upstream unreachable: {e}")
-                return _error(ex.api, 502, f"upstream unreachable: {e}")
+                return _error(ex.protocol, 502, f"upstream unreachable: {e}")
             if resp.status_code != 200:
                 self._upstream_failed(span, f"upstream answered {resp.status_code}", resp.status_code)
                 return web.Response(resp.status_code,
@@ -303,7 +306,7 @@ class Gateway:
                     answer = web.Response(200, "application/json", dumps(ex.answer(loads(resp.content))).encode())
                 except (ValueError, TypeError, AttributeError, requests.RequestException) as e:
                     self._upstream_failed(span, f"upstream answer unreadable: {e}")
-                    return _error(ex.api, 502, f"upstream answer unreadable: {e}")
+                    return _error(ex.protocol, 502, f"upstream answer unreadable: {e}")
             complete = ex.finished
             if complete:
                 span.set_attributes({**ex.attributes(self.version.get(), self.cfg.capture_content),

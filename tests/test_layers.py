@@ -30,11 +30,10 @@ ALLOWED = {
     "tracing": set(),
     "store": {*CORE},
     "collector": {"lightspan.store", "lightspan.tracing.semconv", *CORE},
-    # the gateway captures with the instrumentor's own pure captures and message conversions
-    "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.capture",
-                "lightspan.tracing.capture_responses", "lightspan.tracing.capture_anthropic",
-                "lightspan.tracing.anthropic_convert", "lightspan.tracing.messages", "lightspan.tracing.urls",
-                "lightspan.tracing.sse",
+    # the gateway is a transport over the instrumentor's own protocol table (pure: captures, request
+    # rewrites, conversions, message shapes, stream relays, error shapes)
+    "rollout": {"lightspan.store", "lightspan.tracing.semconv", "lightspan.tracing.protocols",
+                "lightspan.tracing.messages",
                 "lightspan.tracing.spool",   # the runner reads back the spool the agent writes: one format
                 *CORE},
     "lightningrl": {"lightspan.store", "lightspan.tracing.semconv", *CORE},

@@ -17,17 +17,20 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lightspan.tracing import anthropic_client, capture_responses, messages, semconv, spans, urls
-from lightspan.tracing.capture import REASONS, Capture, with_capture
-from lightspan.tracing.capture_anthropic import AnthropicCapture
-from lightspan.tracing.capture_responses import ConvertedCapture, ResponsesCapture
+from lightspan.tracing import anthropic_client, messages, semconv, spans, urls
+from lightspan.tracing.protocols import anthropic_messages, chat, responses
+from lightspan.tracing.protocols import responses as capture_responses
+from lightspan.tracing.protocols.anthropic_messages import AnthropicCapture
+from lightspan.tracing.protocols.base import REASONS
+from lightspan.tracing.protocols.chat import Capture, with_capture
+from lightspan.tracing.protocols.responses import ConvertedCapture, ResponsesCapture
 from lightspan.tracing.report import CAPTURED, GATEWAY, OTHER_URL, REPORT
 
 log = logging.getLogger(__name__)
 
 _SYSTEMS = {"openai": "openai", "anthropic": "anthropic"}
-_INPUTS = {urls.CHAT: messages.chat_input, urls.TEXT_COMPLETION: messages.chat_input,
-           urls.RESPONSES: messages.responses_input, urls.MESSAGES: messages.anthropic_input}
+_INPUTS = {urls.CHAT: chat.chat_input, urls.TEXT_COMPLETION: chat.chat_input,
+           urls.RESPONSES: responses.responses_input, urls.MESSAGES: anthropic_messages.anthropic_input}
 
 
 def model_version() -> int | None:
@@ -185,11 +188,11 @@ class Call:
 
     def _output(self):
         if self.api == urls.RESPONSES:
-            return messages.responses_output(self.cap.response, self.cap.finish_reason) if self.cap.response else None
+            return responses.responses_output(self.cap.response, self.cap.finish_reason) if self.cap.response else None
         if self.converted and self.stream:
             if not self.content:
                 return None
-            return messages.anthropic_stream_output(self.cap.stream.content(), self.cap.stop_reason)
+            return anthropic_messages.anthropic_stream_output(self.cap.stream.content(), self.cap.stop_reason)
         if self.output is None:
             return None
         return self.output.messages(getattr(self.cap, "stop_reason", None))
@@ -340,7 +343,7 @@ def prepare(library: str, instance, args, kwargs):
         call.cap.caller_ids = call.cap.caller_logprobs = True
     content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance, options)
     if content and ((call.converted and not stream and api == urls.MESSAGES) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
-        call.output = messages.ChatOutput()   # the assistant turn, for the span's output messages
+        call.output = chat.ChatOutput()   # the assistant turn, for the span's output messages
     return call, kwargs
 
 

@@ -65,7 +65,8 @@ from wrapt import register_post_import_hook
 
 from lightspan.tracing import semconv, spans, spool, urls
 from lightspan.tracing.calls import Call, prepare
-from lightspan.tracing.capture import loads, with_capture  # noqa: F401  (re-exported: the instrumentor's API)
+from lightspan.tracing.protocols.base import loads
+from lightspan.tracing.protocols.chat import with_capture  # noqa: F401  (re-exported: the instrumentor's API)
 from lightspan.tracing.hooks import install_json_hooks, remove_json_hooks, wrap, unwrap_all
 from lightspan.tracing.report import register
 from lightspan.tracing.spans import is_llm_span  # noqa: F401  (re-exported)

@@ -22,7 +22,7 @@ import functools
 
 import orjson
 
-from lightspan.tracing.capture import EMPTY_DELTA, only_for_capture
+from lightspan.tracing.protocols.chat import EMPTY_DELTA, only_for_capture
 from lightspan.tracing.sse import SSEParser
 
 
@@ -41,7 +41,7 @@ class CapturedDecoder:
         """Before an event goes out: the capture is recorded as ``[DONE]`` goes; an event of the
         client's own decoder is read into the capture (the client decodes its own copy). True when
         the event does not go out: a chunk vLLM sent only because lightspan asked for the ids
-        (:func:`~lightspan.tracing.capture.only_for_capture`), read into the capture here."""
+        (:func:`~lightspan.tracing.protocols.chat.only_for_capture`), read into the capture here."""
         data = sse.data
         if data.startswith("[DONE]"):
             self.end(True)

@@ -18,7 +18,7 @@ import requests
 
 from lightspan.core.config import ConfigError
 from lightspan.rollout.gateway import GatewayConfig
-from lightspan.rollout.protocols import ENDPOINTS
+from lightspan.rollout.paths import ENDPOINTS
 from tests.attacks.conftest import CHAT, Upstream, port_of, raw_request, status_of
 
 TOKEN = "gateway-admin-token"

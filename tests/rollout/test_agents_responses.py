@@ -9,7 +9,7 @@
 Every call is stored once, with prompt ids, completion ids and one logprob per completion token;
 the rollout reports no capture problem; and what the agent ends with (its history, its output) is
 the same with and without lightspan, ids, timestamps and prompt cache counts aside (vLLM's
-Responses route counts cached prompt tokens, its chat route does not: tracing/responses_convert.py)."""
+Responses route counts cached prompt tokens, its chat route does not: tracing/protocols/responses_convert.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from lightspan.core.config import ConfigError
 from lightspan.tracing import semconv
-from lightspan.tracing.capture import Capture
+from lightspan.tracing.protocols.chat import Capture
 from lightspan.rollout.gateway import Gateway, GatewayConfig, route
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"

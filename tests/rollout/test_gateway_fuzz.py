@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightspan.rollout.protocols import ENDPOINTS
+from lightspan.rollout.paths import ENDPOINTS
 from tests.attacks.conftest import CHAT, Upstream, gateway_factory, port_of  # noqa: F401 (fixture)
 
 TOKEN = "fuzz-admin-token"

@@ -58,7 +58,7 @@ TOOL_RESULT = {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c
 PROTOCOLS = {
     "chat": ("/v1/chat/completions", {"messages": CHAT_TOOL_TURN, "max_tokens": 6}, "/v1/chat/completions"),
     "completions": ("/v1/completions", {"prompt": "Say hi.", "max_tokens": 6}, "/v1/completions"),
-    # (as a chat completion, which has every token's logprob: tracing/responses_convert.py)
+    # (as a chat completion, which has every token's logprob: tracing/protocols/responses_convert.py)
     "responses": ("/v1/responses", {"input": RESPONSES_TOOL_TURN, "max_output_tokens": 6}, "/v1/chat/completions"),
     "messages": ("/v1/messages", {"system": "Be brief.", "messages": ANTHROPIC_TOOL_TURN, "tools": WEATHER,
                                   "max_tokens": 6}, "/v1/chat/completions"),

@@ -31,7 +31,7 @@ def test_no_header_or_one_that_cannot_be_a_name_sets_nothing():
 def test_a_header_sent_twice_is_its_first_value_not_both_joined():
     """Two ``x-lightspan-agent`` headers were recorded as "first, second" (the values joined, as a
     mapping of headers holds them); the docs say the first wins, for the rollout headers too."""
-    from lightspan.rollout.protocols import call_attributes
+    from lightspan.rollout.paths import call_attributes
 
     pairs = [("X-Lightspan-Agent", "first"), ("x-lightspan-agent", "second"), ("X-Lightspan-Rollout-Id", "r1"),
              ("x-lightspan-rollout-id", "r2"), ("x-lightspan-task-id", ""), ("x-lightspan-task-id", "t7")]

@@ -11,7 +11,7 @@ PROTOCOLS = ["chat", "completions", "responses", "messages"]
 # differs from call to call by design: ids, times
 _IDS = frozenset({"id", "created", "created_at", "item_id", "call_id"})
 # the prompt cache counts, which lightspan's conversions report as the chat route does (docs of
-# tracing/responses_convert.py and tracing/anthropic_convert.py): vLLM's Responses route counts
+# tracing/protocols/responses_convert.py and tracing/protocols/anthropic_convert.py): vLLM's Responses route counts
 # cached prompt tokens; Anthropic's API sends 0 where vLLM's Messages route leaves them out
 _CACHE_COUNTS = frozenset({"cached_tokens", "cache_write_tokens", "cache_read_input_tokens",
                            "cache_creation_input_tokens"})

@@ -42,7 +42,7 @@ def test_the_agent_sees_what_it_sees_without_lightspan(captured, vllm_server, mo
 
 
 def test_only_the_chunks_vllm_sends_for_the_ids_alone_are_dropped():
-    from lightspan.tracing.capture import Capture, only_for_capture
+    from lightspan.tracing.protocols.chat import Capture, only_for_capture
 
     def chunk(delta, finish=None):
         return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "token_ids": [7]}]}

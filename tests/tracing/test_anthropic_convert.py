@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightspan.tracing.anthropic_convert import MessageStream, Unsupported, to_chat, to_message, usage
+from lightspan.tracing.protocols.anthropic_convert import MessageStream, Unsupported, to_chat, to_message, usage
 
 TOOL = {"name": "add", "description": "Add.", "input_schema": {"properties": {"a": {"type": "integer"}}}}
 
@@ -167,8 +167,7 @@ def test_the_one_pass_conversion_of_a_text_chunk_is_the_general_ones():
     import copy
     import random
 
-    from lightspan.tracing import messages
-    from lightspan.tracing.capture_anthropic import AnthropicCapture
+    from lightspan.tracing.protocols.anthropic_messages import AnthropicCapture, anthropic_stream_output
 
     body = {"model": "m", "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     rng = random.Random(11)
@@ -183,7 +182,7 @@ def test_the_one_pass_conversion_of_a_text_chunk_is_the_general_ones():
         expected += general.end()
         assert _unsigned(got) == _unsigned(expected)
         assert fast.attributes(1) == general.attributes(1) and fast.status() == "ok"
-        assert messages.anthropic_stream_output(fast.stream.content(), "s") == messages.anthropic_stream_output(
+        assert anthropic_stream_output(fast.stream.content(), "s") == anthropic_stream_output(
             general.stream.content(), "s")
 
 
@@ -192,17 +191,18 @@ def test_a_converted_streams_output_messages_are_its_chat_chunks():
     ``ChatOutput`` reads from the chat chunks they were converted from."""
     import random
 
-    from lightspan.tracing import messages
+    from lightspan.tracing.protocols.anthropic_messages import anthropic_stream_output
+    from lightspan.tracing.protocols.chat import ChatOutput
 
     rng = random.Random(5)
     for _ in range(200):
         chunks = [c for c in _random_stream(rng) if c.get("choices")]
-        stream, chat = MessageStream(), messages.ChatOutput()
+        stream, chat = MessageStream(), ChatOutput()
         for c in chunks:
             stream.feed(c)
             chat.add(c)
         stream.done()
-        ours = messages.anthropic_stream_output(stream.content(), "end_turn")[0]["parts"]
+        ours = anthropic_stream_output(stream.content(), "end_turn")[0]["parts"]
         theirs = chat.messages("end_turn")[0]["parts"]
         # (ChatOutput joins all text, and all reasoning, into one part each; the blocks keep their order)
         def joined(parts, kind):

@@ -21,7 +21,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightspan.tracing import semconv
-from lightspan.tracing.capture import Capture, loads
+from lightspan.tracing.protocols.base import loads
+from lightspan.tracing.protocols.chat import Capture
 from lightspan.tracing.instrumentor import LightspanInstrumentor
 
 # --- loads: what json.loads gives ----------------------------------------------------------------
@@ -176,7 +177,7 @@ def _responses_answers():
 def test_responses_dict_and_object_paths_agree(caller, answer):
     """A Responses answer read from decoded JSON records what the same answer read from parsed
     objects does, and hides the same fields."""
-    from lightspan.tracing.capture_responses import ResponsesCapture
+    from lightspan.tracing.protocols.responses import ResponsesCapture
 
     fast, generic = (ResponsesCapture(caller_ids=caller[0], caller_logprobs=caller[1]) for _ in range(2))
     payload, obj = _responses_answers()[answer], _as_obj(_responses_answers()[answer])

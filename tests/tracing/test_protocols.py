@@ -120,7 +120,7 @@ def test_chat_completions(captured, stream):
 @pytest.mark.parametrize("how", ["response", "stream", "stream_manager", "async_stream", "streaming_response"])
 def test_responses_api(captured, how):
     """A Responses call goes to vLLM as the chat completion vLLM's own route would make of it
-    (tracing/responses_convert.py): the span holds vLLM's ids and a logprob per token, streamed
+    (tracing/protocols/responses_convert.py): the span holds vLLM's ids and a logprob per token, streamed
     too; the caller gets a Response, or its events, with none of what lightspan asked for."""
     exporter, recorder = captured
     kwargs = dict(model="policy", input="Say hi.", max_output_tokens=6)

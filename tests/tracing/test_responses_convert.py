@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from lightspan.tracing.responses_convert import Unsupported, to_chat, to_response, usage
-from lightspan.tracing.responses_stream import ResponseStream
+from lightspan.tracing.protocols.responses_convert import Unsupported, to_chat, to_response, usage
+from lightspan.tracing.protocols.responses_stream import ResponseStream
 
 PARAMS = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "name": "add", "description": "Add.", "parameters": PARAMS, "strict": False}
@@ -305,7 +305,7 @@ def test_the_one_pass_conversion_of_a_text_chunk_is_the_general_ones():
     """``ConvertedCapture.events`` reads and converts a one-token text chunk in one pass: the events,
     the ids and the logprobs are those of the general path's (``Capture.add_json`` and
     ``ResponseStream.feed``), and every token has its logprob."""
-    from lightspan.tracing.capture_responses import ResponsesCapture
+    from lightspan.tracing.protocols.responses import ResponsesCapture
 
     body = {"model": "m", "input": "x", "stream": True, "tools": [TOOL]}
     rng = random.Random(7)

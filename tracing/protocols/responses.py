@@ -1,8 +1,12 @@
-"""The OpenAI Responses API (``POST /v1/responses``): what vLLM is asked for, and what it returns.
+"""The OpenAI Responses API (``POST /v1/responses``): what vLLM is asked for, what it returns, and
+what the caller and the span get.
 
-Pure functions over JSON dicts (and the openai client's parsed objects, read through
-``capture._get``), shared by the instrumentor and a gateway, like the chat-completions
-:class:`~lightspan.tracing.capture.Capture`.
+Shared by the instrumentor and the gateway, like :mod:`.chat`; over JSON dicts and the openai
+client's parsed objects (read through :func:`~.base._get`). A request that converts (most do) goes
+to vLLM as the chat completion its own Responses route would make (:mod:`.responses_convert`;
+:class:`ConvertedCapture`), which gives every token's logprob, and its answer comes back as the
+Response or its events (:mod:`.responses_stream`); one that does not goes to ``/v1/responses``
+with the fields below (:class:`ResponsesCapture`).
 
 What vLLM 0.32 returns (read in ``vllm/entrypoints/openai/responses/`` and measured):
 
@@ -25,10 +29,13 @@ What vLLM 0.32 returns (read in ``vllm/entrypoints/openai/responses/`` and measu
 from __future__ import annotations
 
 from lightspan.tracing import semconv
-from lightspan.tracing.capture import CHAT, Capture, _get
-from lightspan.tracing.capture import with_capture as chat_with_capture
-from lightspan.tracing.responses_convert import Unsupported, to_chat, to_response
-from lightspan.tracing.responses_stream import ResponseStream
+from lightspan.tracing.messages import _append, _arguments, _text_of
+from lightspan.tracing.protocols.base import (COMMON_FIELDS, NUMBER, Protocol, _get, _set, as_sent, dumps, loads,
+                                              no_output, openai_error, sse_data, temperature)
+from lightspan.tracing.protocols.chat import CHAT, Capture
+from lightspan.tracing.protocols.chat import with_capture as chat_with_capture
+from lightspan.tracing.protocols.responses_convert import Unsupported, to_chat, to_response
+from lightspan.tracing.protocols.responses_stream import ResponseStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -38,8 +45,6 @@ NO_LOGPROBS_REASON = (
     "call, and in a stream none for tokens whose delta has no text (the end-of-turn token); the ids "
     "are recorded, the logprobs are not. lightspan sends a Responses request as a chat completion, "
     "which has them, when it can reproduce vLLM's conversion; this one it could not: {why}.")
-PATH = "/v1/chat/completions"
-"""Where a converted request goes (the caller's path ends in ``/v1/responses``)."""
 
 
 def with_capture(body: dict) -> dict:
@@ -78,23 +83,13 @@ def _output_text_parts(response):
                     yield part
 
 
-def _set(obj, name: str, value) -> None:
-    if isinstance(obj, dict):
-        obj[name] = value
-    elif name in getattr(obj, "__dict__", {}):
-        setattr(obj, name, value)
-    elif getattr(obj, "__pydantic_extra__", None) and name in obj.__pydantic_extra__:
-        obj.__pydantic_extra__[name] = value
-
-
 class ResponsesCapture:
     """Token ids and logprobs of one Responses call, from its response or its stream events.
 
     Same interface as the chat-completions ``Capture``: :meth:`add` each payload, then
     :meth:`attributes` and :meth:`genai_attributes`; ``done`` once the final response was read."""
 
-    api = "responses"
-    operation = "chat"
+    converted = False   # (the call goes to /v1/responses)
 
     def __init__(self, *, caller_ids: bool = True, caller_logprobs: bool = True):
         self.caller_ids, self.caller_logprobs = caller_ids, caller_logprobs
@@ -132,9 +127,7 @@ class ResponsesCapture:
         cap = cls(caller_ids=bool(body.get("enable_response_messages")),
                   caller_logprobs=LOGPROBS_INCLUDE in include)
         cap.unsupported = unsupported(body)
-        temperature = body.get("temperature")
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-            cap.temperature = float(temperature)
+        cap.temperature = temperature(body)
         return cap
 
     def add_json(self, payload: dict, hide: bool = False) -> None:
@@ -272,10 +265,7 @@ class ConvertedCapture:
     Holds the converted request and a chat-completions :class:`Capture` of vLLM's answer, which
     reads the ids and a logprob per token, and turns the answer into what the caller asked for
     (:meth:`message` for a response, :meth:`events` for each stream chunk, :meth:`end` at its
-    ``[DONE]``). The interface is :class:`~lightspan.tracing.capture_anthropic.AnthropicCapture`'s."""
-
-    api = "responses"
-    operation = "chat"
+    ``[DONE]``). The interface is :class:`~.anthropic_messages.AnthropicCapture`'s."""
 
     def __init__(self, body: dict):
         self.body = body
@@ -289,9 +279,7 @@ class ConvertedCapture:
             self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
         # the Response has no field for the chat answer's ids or logprobs: nothing of them is shown
         self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
-        temperature = body.get("temperature")
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-            self.chat.temperature = float(temperature)
+        self.chat.temperature = temperature(body)
         self.stream = ResponseStream(body) if body.get("stream") else None
         self.response: dict | None = None   # the Response the caller got (for the span's messages)
         self.done = False
@@ -303,6 +291,13 @@ class ConvertedCapture:
     def request(self) -> dict:
         """The chat completions body to send, with the capture fields."""
         return chat_with_capture(self.chat_body, CHAT)
+
+    def unconverted(self, why: str) -> ResponsesCapture:
+        """The capture of this call sent to ``/v1/responses`` as it is (a transport that cannot
+        hand the caller a converted answer: ``why``)."""
+        cap = ResponsesCapture.native(self.body)
+        cap.not_converted = why
+        return cap
 
     @property
     def fed(self) -> int:
@@ -371,3 +366,94 @@ class ConvertedCapture:
 
     def genai_attributes(self) -> dict:
         return self.chat.genai_attributes()
+
+
+# --- the call's messages (docs: lightspan.tracing.messages) -----------------------------------------
+
+def _responses_item(item, messages: list) -> None:
+    kind = _get(item, "type") or ("message" if _get(item, "role") else None)
+    if kind == "message":
+        content = _get(item, "content")
+        text = content if isinstance(content, str) else "\n".join(
+            _get(p, "text") for p in content or () if isinstance(_get(p, "text"), str))
+        _append(messages, _get(item, "role") or "user", [{"type": "text", "content": text}] if text else [])
+    elif kind == "function_call":
+        _append(messages, "assistant", [{"type": "tool_call", "id": _get(item, "call_id"), "name": _get(item, "name"),
+                                         "arguments": _arguments(_get(item, "arguments"))}])
+    elif kind == "function_call_output":
+        output = _get(item, "output")
+        messages.append({"role": "tool", "parts": [{"type": "tool_call_response", "id": _get(item, "call_id"),
+                                                     "response": output if isinstance(output, str) else _text_of(output)}]})
+    elif kind == "reasoning":
+        texts = [_get(p, "text") for key in ("summary", "content") for p in _get(item, key) or ()]
+        _append(messages, "assistant", [{"type": "reasoning", "content": "\n".join(t for t in texts if t)}])
+    else:
+        plain = item if isinstance(item, dict) else getattr(item, "model_dump", lambda: str(item))()
+        _append(messages, "assistant" if kind and kind.endswith("_call") else "user",
+                [{"type": str(kind), "content": plain}])
+
+
+def responses_input(body: dict) -> list:
+    messages: list = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "parts": [{"type": "text", "content": body["instructions"]}]})
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "parts": [{"type": "text", "content": given}]})
+    else:
+        for item in given or ():
+            _responses_item(item, messages)
+    return messages
+
+
+def responses_output(response, finish_reason: str | None) -> list:
+    messages: list = []
+    for item in _get(response, "output") or ():
+        _responses_item(item, messages)
+    if not messages:
+        messages.append({"role": "assistant", "parts": []})
+    messages[-1]["finish_reason"] = finish_reason
+    return messages
+
+
+def outputs(cap, out) -> list | None:
+    return responses_output(cap.response, cap.finish_reason) if cap.response is not None else None
+
+
+def request(cap, body: dict) -> dict:
+    if cap.converted:
+        return cap.request()
+    return body if cap.unsupported else with_capture(body)
+
+
+# --- the gateway's relay of /v1/responses' own stream -----------------------------------------------
+
+def frames(exchange, line: bytes) -> list[bytes]:
+    """vLLM's events as they came, what only the gateway asked for set back to ``null``; the stream
+    ends with its terminal event, which holds the response."""
+    data = sse_data(line)
+    if data is None:
+        return [line + b"\n"] if line else []   # the event: line before its data
+    if data.startswith(b"{"):
+        event = loads(data)
+        exchange.read(event)
+        exchange.finished = exchange.finished or exchange.cap.done
+        if exchange.strip:
+            data = dumps(event).encode()
+    return [b"data: " + data + b"\n\n"]
+
+
+def end(exchange) -> list[bytes]:
+    return []
+
+
+# the Response envelope the gateway writes for a converted call echoes the sampling settings as numbers
+FIELDS = {**COMMON_FIELDS, "include": (list, "an array of strings"), "background": (bool, "a boolean"),
+          "enable_response_messages": (bool, "a boolean"), "top_p": (NUMBER, "a number"),
+          "presence_penalty": (NUMBER, "a number"), "frequency_penalty": (NUMBER, "a number")}
+
+PROTOCOL = Protocol(
+    name="responses", client="openai", path="/responses", operation="chat", provider="openai",
+    capture=ResponsesCapture.for_request, request=request, inputs=responses_input,
+    output=no_output, outputs=outputs, frames=frames, end=end, error=openai_error, upstream_error=as_sent,
+    fields=FIELDS, late_span=True)

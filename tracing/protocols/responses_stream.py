@@ -13,7 +13,7 @@ text events carry ``[]`` and the parts ``null``, as vLLM's do for such a request
 
 from __future__ import annotations
 
-from lightspan.tracing.responses_convert import (
+from lightspan.tracing.protocols.responses_convert import (
     call_item,
     envelope,
     message_item,

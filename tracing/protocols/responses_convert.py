@@ -21,7 +21,7 @@ instrumentor and a gateway alike:
   than those above, a partial last message (vLLM continues it), and the fields that would show the
   caller ids or logprobs (``enable_response_messages``, ``include``);
 - :func:`to_response`: a chat completion as the Response object (``ResponsesResponse.from_request``);
-- :class:`~lightspan.tracing.responses_stream.ResponseStream`: chat completion chunks as the
+- :class:`~lightspan.tracing.protocols.responses_stream.ResponseStream`: chat completion chunks as the
   Responses events, by vLLM's simple streaming state machine (its own module).
 
 Where the answer echoes what vLLM resolved rather than what was asked, it says what was asked:

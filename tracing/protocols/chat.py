@@ -1,9 +1,10 @@
-"""Chat completions and completions: what vLLM is asked for, and how its answer becomes span attributes.
+"""Chat completions (``POST /v1/chat/completions``): what vLLM is asked for, how its answer becomes
+span attributes and messages, and how the gateway relays its stream.
 
 Shared by the instrumentor (openai's parsed objects) and the gateway (plain JSON dicts): both
-shapes are read through :func:`_get`, so there is one parser for responses and stream chunks.
-The Responses API and Anthropic Messages have their own modules (:mod:`.capture_responses`,
-:mod:`.capture_anthropic`) with the same interface.
+shapes are read through :func:`~.base._get`, so there is one parser for responses and stream
+chunks. Completions (:mod:`.completions`) are read by the same :class:`Capture`; the Responses
+API and Anthropic Messages, converted to chat completions, read vLLM's answer with it too.
 
 What vLLM 0.32 returns with ``return_token_ids: true`` and ``logprobs`` (measured):
 
@@ -28,39 +29,14 @@ Speed (bench/capture_overhead.py): the instrumentor decodes a captured call's JS
 from __future__ import annotations
 
 import json
-import struct
-
-import orjson
 
 from lightspan.tracing import semconv
+from lightspan.tracing.messages import _arguments, _text_of
+from lightspan.tracing.protocols.base import (COMMON_FIELDS, REASONS, Protocol, _clear, _get, as_sent, dumps, loads,
+                                              openai_error, sse_data, temperature)
 
 CHAT = "chat"
 TEXT_COMPLETION = "text_completion"
-
-REASONS = {
-    "unparsed_response": "the answer was not a completion lightspan could read (a raw or streaming response "
-                         "the caller read itself): read it with the client's parsed objects",
-    "no_token_ids": "the server returned no token ids: is it vLLM (0.10.2 or later)? Hosted APIs return none; "
-                    "point the agent at the vLLM server, or at a lightspan gateway in front of it",
-    "multiple_prompts": "a completions request with several prompts: a span holds one prompt; send one per request",
-    "logprobs_mismatch": "the server did not return one logprob per completion token",
-    "stream_incomplete": "the stream was not read to its end (the agent stopped reading, or the connection broke)",
-    "capture_error": "lightspan could not read the answer (a bug: please report it with the agent's log)",
-    "gateway": "captured by a lightspan gateway (LIGHTSPAN_CAPTURE_URLS=none): the gateway's span of this call, this "
-               "span's child through traceparent, carries the ids, and this span counts only when that one never "
-               "reached the store: is the gateway exporting to this collector?",
-}
-"""Why a call was not captured, and the fix, by ``lightspan.capture.status`` (``lightspan.capture.reason``)."""
-
-
-def operation(path: str) -> str | None:
-    """``chat`` or ``text_completion`` for an OpenAI generation path, else None."""
-    path = "/" + str(path).split("?", 1)[0].strip("/")
-    if path.endswith("/chat/completions"):
-        return CHAT
-    if path.endswith("/completions"):
-        return TEXT_COMPLETION
-    return None
 
 
 def with_capture(body: dict, operation: str) -> dict:
@@ -110,51 +86,6 @@ def only_for_capture(chunk: dict) -> bool:
     return True
 
 
-def loads(data: bytes | str):
-    """Decoded JSON, as ``json.loads(data)`` gives it, in a third to a half of its time.
-
-    orjson refuses what ``json`` accepts beyond the JSON standard — ``NaN``/``Infinity`` literals,
-    numbers that overflow a double, lone surrogate escapes, encodings other than UTF-8 — and those
-    bodies go to ``json.loads``, so they decode (or fail) exactly as they would without lightspan.
-    One difference is left: an integer beyond 64 bits comes back from orjson as a float; vLLM's
-    responses hold none (ids, counts and timestamps), and only calls lightspan captures, bound for
-    the configured RL endpoints, are decoded here.
-    """
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
-def _get(obj, name: str):
-    """A field of a JSON dict or of an openai object (vLLM's extra fields included).
-
-    An openai object is a pydantic model: its fields are in ``__dict__`` and vLLM's extra fields in
-    ``__pydantic_extra__``. Reading those directly skips pydantic's ``__getattr__``, which costs
-    microseconds per absent name (an exception each): per stream chunk, that was most of our cost.
-    """
-    if isinstance(obj, dict):
-        return obj.get(name)
-    try:
-        extra = obj.__pydantic_extra__
-        fields = obj.__dict__
-    except AttributeError:
-        return getattr(obj, name, None)
-    if name in fields:
-        return fields[name]
-    return extra.get(name) if extra else None
-
-
-def _clear(obj, name: str) -> None:
-    """Set a field of a JSON dict or of an openai object (an extra field included) to None."""
-    if isinstance(obj, dict):
-        obj[name] = None
-    elif name in obj.__dict__:
-        setattr(obj, name, None)
-    elif getattr(obj, "__pydantic_extra__", None):
-        obj.__pydantic_extra__[name] = None
-
-
 def _chat_logprobs(c: "_Choice", lp: dict) -> None:
     """Append a decoded chat choice's ``logprobs.content`` logprobs to ``c``."""
     content = lp.get("content")
@@ -182,6 +113,8 @@ class Capture:
     largest thing captured, and packing it while the list just decoded is still in the CPU's
     caches costs a fraction of what it costs at the end of a stream (bench/README.md)."""
 
+    converted = False   # (the call goes to vLLM as it is, the capture fields added)
+
     def __init__(self, operation: str, *, caller_ids: bool = True, caller_logprobs: bool = True):
         self.operation = operation
         self._chat = operation == CHAT
@@ -202,9 +135,7 @@ class Capture:
     def for_request(cls, body: dict, operation: str) -> "Capture":
         """A capture for a request body as the caller wrote it (before :func:`with_capture`)."""
         cap = cls(operation, caller_ids=asked_for_ids(body), caller_logprobs=asked_for_logprobs(body, operation))
-        temperature = body.get("temperature")
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-            cap.temperature = float(temperature)
+        cap.temperature = temperature(body)
         return cap
 
     @property
@@ -385,3 +316,156 @@ class Capture:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = reasons
         return attrs
 
+
+# --- the call's messages (docs: lightspan.tracing.messages) -----------------------------------------
+
+def chat_input(body: dict) -> list:
+    messages: list = []
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role") or "user"
+        if role == "tool":
+            messages.append({"role": "tool", "parts": [
+                {"type": "tool_call_response", "id": m.get("tool_call_id"), "response": _text_of(m.get("content"))}]})
+            continue
+        parts = []
+        text = _text_of(m.get("content"))
+        if text:
+            parts.append({"type": "text", "content": text})
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            parts.append({"type": "tool_call", "id": call.get("id"), "name": fn.get("name"),
+                          "arguments": _arguments(fn.get("arguments"))})
+        messages.append({"role": role, "parts": parts})
+    prompt = body.get("prompt")
+    if prompt is not None and not messages:   # completions
+        messages.append({"role": "user", "parts": [{"type": "text", "content": prompt if isinstance(prompt, str)
+                                                    else json.dumps(prompt)}]})
+    return messages
+
+
+class ChatOutput:
+    """The assistant turn of a chat completion or of its stream chunks (choice 0), in order."""
+
+    __slots__ = ("text", "reasoning", "calls", "finish_reason")
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict] = {}
+        self.finish_reason: str | None = None
+
+    def add(self, payload) -> None:
+        for choice in (payload.get("choices") if type(payload) is dict else _get(payload, "choices")) or ():
+            if type(choice) is dict:
+                self._add_json(choice)
+            else:
+                self._add(choice)
+
+    def _add_json(self, choice: dict) -> None:
+        """:meth:`_add` with plain dict lookups (it runs per stream chunk)."""
+        if (choice.get("index") or 0) != 0:
+            return
+        part = choice.get("message") or choice.get("delta")
+        if type(part) is not dict:
+            self._add(choice)
+            return
+        content = part.get("content")
+        if content:
+            self.text.append(content)
+        reasoning = part.get("reasoning")
+        if reasoning:
+            self.reasoning.append(reasoning)
+        for call in part.get("tool_calls") or ():
+            self._call(call)
+        reason = choice.get("finish_reason")
+        if reason:
+            self.finish_reason = reason
+
+    def _add(self, choice) -> None:
+        if (_get(choice, "index") or 0) != 0:
+            return
+        part = _get(choice, "message") or _get(choice, "delta")
+        if part is None:
+            text = _get(choice, "text")   # completions
+            if text:
+                self.text.append(text)
+        else:
+            if _get(part, "content"):
+                self.text.append(_get(part, "content"))
+            if _get(part, "reasoning"):
+                self.reasoning.append(_get(part, "reasoning"))
+            for call in _get(part, "tool_calls") or ():
+                self._call(call)
+        if _get(choice, "finish_reason"):
+            self.finish_reason = _get(choice, "finish_reason")
+
+    def _call(self, call) -> None:
+        index = _get(call, "index") or 0
+        entry = self.calls.setdefault(index, {"id": None, "name": None, "arguments": []})
+        fn = _get(call, "function")
+        if _get(call, "id"):
+            entry["id"] = _get(call, "id")
+        if fn is not None:
+            if _get(fn, "name"):
+                entry["name"] = _get(fn, "name")
+            if _get(fn, "arguments"):
+                entry["arguments"].append(_get(fn, "arguments"))
+
+    def messages(self, finish_reason: str | None = None) -> list:
+        parts = []
+        if self.reasoning:
+            parts.append({"type": "reasoning", "content": "".join(self.reasoning)})
+        if self.text:
+            parts.append({"type": "text", "content": "".join(self.text)})
+        for _, call in sorted(self.calls.items()):
+            parts.append({"type": "tool_call", "id": call["id"], "name": call["name"],
+                          "arguments": _arguments("".join(call["arguments"]))})
+        return [{"role": "assistant", "parts": parts, "finish_reason": finish_reason or self.finish_reason}]
+
+
+def output(cap, stream: bool) -> ChatOutput:
+    return ChatOutput()
+
+
+def outputs(cap, out: ChatOutput | None) -> list | None:
+    return out.messages() if out is not None else None
+
+
+def request(cap: Capture, body: dict) -> dict:
+    return with_capture(body, cap.operation)
+
+
+# --- the gateway's relay of the stream ----------------------------------------------------------------
+
+def frames(exchange, line: bytes) -> list[bytes]:
+    """vLLM's chunks as they came, the fields only the gateway asked for set back to ``null``; its
+    ``[DONE]`` held back for :func:`end`; a chunk vLLM sent only for the ids left out."""
+    data = sse_data(line)
+    if data is None:
+        return [line + b"\n"] if line else []   # event:, id:, comments: as they came
+    if data == b"[DONE]":
+        exchange.finished = True
+        return []                                # sent by end(), once the span has ended
+    if data.startswith(b"{"):
+        chunk = loads(data)
+        exchange.read(chunk)
+        if exchange.strip:
+            if exchange.cap.drops_empty_chunks and type(chunk) is dict and only_for_capture(chunk):
+                return []                        # sent only because the gateway asked for ids
+            data = dumps(chunk).encode()
+    return [b"data: " + data + b"\n\n"]
+
+
+def end(exchange) -> list[bytes]:
+    return [b"data: [DONE]\n\n"] if exchange.finished else []
+
+
+FIELDS = {**COMMON_FIELDS, "logprobs": (bool, "a boolean"), "return_token_ids": (bool, "a boolean")}
+
+PROTOCOL = Protocol(
+    name=CHAT, client="openai", path="/chat/completions", operation="chat", provider="openai",
+    capture=lambda body: Capture.for_request(body, CHAT), request=request, inputs=chat_input,
+    output=output, outputs=outputs, frames=frames, end=end, error=openai_error, upstream_error=as_sent,
+    fields=FIELDS)

@@ -1,14 +1,13 @@
-"""The gateway's routing: which upstream paths it serves, and what a request's URL and headers say.
+"""The gateway's paths: which upstream paths it serves, and what a request's URL and headers say.
 
 :data:`ENDPOINTS` is the table from an upstream path (vLLM's, under ``/v1``) to what the gateway
-does with it: capture it as a generation call of an API (chat completions, completions, the
-Responses API, Anthropic Messages: :mod:`lightspan.rollout.exchanges`), or pass it through
-untouched and untraced. A path that is not in the table is answered 404 and never reaches vLLM:
+does with it: capture it as a generation call of a protocol (``/v1`` + each path of
+:data:`lightspan.tracing.protocols.PROTOCOLS`: chat completions, completions, the Responses API,
+Anthropic Messages; :mod:`lightspan.rollout.exchanges`), or pass it through untouched and untraced. A path that is not in the table is answered 404 and never reaches vLLM:
 vLLM's unauthenticated routes (``/pause``, ``/collective_rpc``, ``/sleep``,
 ``/v1/load_lora_adapter``, …) are not in it, and a path with dot segments (``/v1/../sleep``, which
-an HTTP client would normalise into ``/sleep``) is refused before the table is read. To capture a
-further protocol, add its path here with its API, and its
-:class:`~lightspan.rollout.exchanges.Exchange`.
+an HTTP client would normalise into ``/sleep``) is refused before the table is read. A further
+protocol is a row of the protocol table; its path is served here by that.
 
 :func:`route` reads the rollout, task and split from a URL prefix (``/rollouts/{id}/tasks/{id}/
 splits/{split}/v1/...``, in any order); :func:`call_attributes` lets headers win over it, and adds
@@ -18,14 +17,14 @@ Everything here is a function of its arguments: no I/O.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from lightspan.rollout.headers import header_attributes
-from lightspan.tracing import semconv, urls
+from lightspan.tracing import semconv
+from lightspan.tracing.protocols import PROTOCOLS, Protocol
 
 HEADER_ROLLOUT_ID = "x-lightspan-rollout-id"
 HEADER_TASK_ID = "x-lightspan-task-id"
@@ -33,20 +32,16 @@ HEADER_SPLIT = "x-lightspan-split"
 _PREFIX = re.compile(r"^((?:/(?:rollouts|tasks|splits)/[^/]+)*)(/v1(?:/.*)?)$")
 _PREFIX_KEYS = {"rollouts": semconv.ROLLOUT_ID, "tasks": semconv.TASK_ID, "splits": semconv.SPLIT}
 _HEADER_KEYS = {HEADER_ROLLOUT_ID: semconv.ROLLOUT_ID, HEADER_TASK_ID: semconv.TASK_ID, HEADER_SPLIT: semconv.SPLIT}
-dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 @dataclass(frozen=True)
 class Endpoint:
     methods: tuple[str, ...]
-    api: str | None = None      # captured as a call of this API (``lightspan.tracing.urls``); None: passed through
+    protocol: Protocol | None = None   # captured as a call of this protocol; None: passed through
 
 
 ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint(("POST",), urls.CHAT),
-    "/v1/completions": Endpoint(("POST",), urls.TEXT_COMPLETION),
-    "/v1/responses": Endpoint(("POST",), urls.RESPONSES),
-    "/v1/messages": Endpoint(("POST",), urls.MESSAGES),
+    **{"/v1" + p.path: Endpoint(("POST",), p) for p in PROTOCOLS.values()},
     "/v1/models": Endpoint(("GET",)),
     "/v1/embeddings": Endpoint(("POST",)),
     "/v1/messages/count_tokens": Endpoint(("POST",)),   # Anthropic clients size their prompts with it
@@ -80,12 +75,16 @@ def endpoint(upstream: str) -> Endpoint | None:
     return ENDPOINTS.get(upstream.split("?", 1)[0])
 
 
-def api_of(raw_path: str) -> str | None:
-    """The API whose error shape an answer to ``raw_path`` takes: ``messages`` (Anthropic's) for a
-    path under ``/v1/messages``, else None (OpenAI's)."""
+def protocol_of(raw_path: str) -> Protocol | None:
+    """The protocol whose error shape an answer to ``raw_path`` takes: the one whose path it is or
+    lies under (Anthropic's for ``/v1/messages/count_tokens``), else None (OpenAI's)."""
     routed = route(raw_path)
     upstream = routed[1].split("?", 1)[0] if routed else ""
-    return urls.MESSAGES if upstream == "/v1/messages" or upstream.startswith("/v1/messages/") else None
+    for protocol in PROTOCOLS.values():
+        path = "/v1" + protocol.path
+        if upstream == path or upstream.startswith(path + "/"):
+            return protocol
+    return None
 
 
 def call_attributes(path_attrs: dict[str, str], headers: Iterable[tuple[str, str]]) -> dict[str, str]:

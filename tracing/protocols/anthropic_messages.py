@@ -1,0 +1,241 @@
+"""Anthropic Messages (``POST /v1/messages``) captured through vLLM's chat completions (see
+:mod:`.anthropic_convert`): what vLLM is asked for, and what the caller and the span get.
+
+:class:`AnthropicCapture` holds the converted request and a chat-completions
+:class:`~.chat.Capture` of vLLM's answer: it reads the answer's ids and logprobs, and turns the
+answer into what the caller asked for (:meth:`~AnthropicCapture.message` for a response,
+:meth:`~AnthropicCapture.events` for each stream chunk). A request the conversion cannot reproduce
+goes to ``/v1/messages`` as it is (``unsupported_request``: that route gives no ids). Errors are
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``. Only the ``anthropic``
+client speaks it.
+"""
+
+from __future__ import annotations
+
+from lightspan.tracing import semconv
+from lightspan.tracing.messages import _append, _arguments, _text_of
+from lightspan.tracing.protocols.anthropic_convert import MessageStream, Unsupported, to_chat, to_error, to_message
+from lightspan.tracing.protocols.base import COMMON_FIELDS, Protocol, dumps, loads, temperature
+from lightspan.tracing.protocols.chat import CHAT, ChatOutput, Capture, with_capture
+
+
+class AnthropicCapture:
+    def __init__(self, body: dict):
+        self.body = body   # the caller's request, as JSON-ready data
+        self.unsupported: str | None = None
+        self.chat_body: dict | None = None
+        try:
+            self.chat_body = to_chat(body)
+        except Unsupported as e:
+            self.unsupported = str(e)
+        except (TypeError, AttributeError, KeyError) as e:   # malformed: the server refuses it, not lightspan
+            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
+        # the Anthropic answer has no field for ids or logprobs: nothing of the chat answer's is shown
+        self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
+        self.chat.temperature = temperature(body)
+        self.stream = MessageStream() if body.get("stream") else None
+        self.stop_reason: str | None = None
+        self.done = False
+
+    @classmethod
+    def for_request(cls, body: dict) -> "AnthropicCapture":
+        return cls(body)
+
+    @property
+    def converted(self) -> bool:
+        """Whether the call goes to chat completions (else to ``/v1/messages``, as it is)."""
+        return self.chat_body is not None
+
+    def request(self) -> dict:
+        """The chat completions body to send, with the capture fields."""
+        return with_capture(self.chat_body, CHAT)
+
+    def unconverted(self, why: str) -> AnthropicCapture:
+        """This capture, of the call sent to ``/v1/messages`` as it is (a transport that cannot
+        hand the caller a converted answer: ``why``)."""
+        self.unsupported, self.chat_body = why, None
+        return self
+
+    # the chat capture's state, read by the instrumentor
+    @property
+    def fed(self) -> int:
+        return self.chat.fed
+
+    @property
+    def readable(self) -> bool:
+        return self.chat.readable
+
+    @readable.setter
+    def readable(self, value: bool) -> None:
+        self.chat.readable = value
+
+    @property
+    def temperature(self):
+        return self.chat.temperature
+
+    @property
+    def model(self):
+        """The model vLLM's chat answer names (the request's model: with several policies, its name)."""
+        return self.chat.model
+
+    def add(self, payload, *, hide: bool = False) -> None:
+        """An answer of ``/v1/messages`` itself (a request sent as it is): nothing to read there."""
+
+    def add_json(self, payload: dict, hide: bool = False) -> None:
+        """(As :meth:`add`.)"""
+
+    def message(self, completion: dict) -> dict:
+        """The Anthropic message of vLLM's chat completion (its ids read first)."""
+        self.chat.add_json(completion)
+        message = to_message(completion)
+        self.stop_reason, self.done = message.get("stop_reason"), True
+        return message
+
+    def events(self, chunk: dict) -> list[tuple[str, dict]]:
+        """The Anthropic events of one chat completion chunk (its ids read first)."""
+        choices = chunk.get("choices")
+        if type(choices) is list and len(choices) == 1 and self.stream.block == "text":
+            # the usual chunk, one text token in an open text block: read and converted in one pass
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            text = delta.get("content") if type(delta) is dict else None
+            if (text and type(text) is str and not delta.get("reasoning") and not delta.get("tool_calls")
+                    and choice.get("finish_reason") is None and not choice.get("index")
+                    and chunk.get("prompt_token_ids") is None and self.chat.add_token(choice)):
+                return self.stream.text(text)
+        self.chat.add_json(chunk)
+        out = self.stream.feed(chunk)
+        for name, data in out:
+            if name == "message_delta":
+                self.stop_reason = data["delta"].get("stop_reason")
+        return out
+
+    def end(self) -> list[tuple[str, dict]]:
+        """The events at the chat stream's ``[DONE]``."""
+        self.done = True
+        return self.stream.done()
+
+    def status(self) -> str:
+        return "unsupported_request" if self.unsupported else self.chat.status()
+
+    def attributes(self, model_version: int | None = None) -> dict:
+        if self.unsupported:
+            return {semconv.CAPTURE_STATUS: "unsupported_request",
+                    semconv.CAPTURE_REASON: f"not captured: the request has {self.unsupported}, which lightspan "
+                                            "does not convert to a chat completion as vLLM does; it went to "
+                                            "/v1/messages, which returns no token ids"}
+        return self.chat.attributes(model_version)
+
+    def genai_attributes(self) -> dict:
+        attrs = self.chat.genai_attributes()
+        if self.stop_reason:
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (self.stop_reason,)
+        return attrs
+
+
+# --- the call's messages (docs: lightspan.tracing.messages) -----------------------------------------
+
+def anthropic_input(body: dict) -> list:
+    messages: list = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "parts": [{"type": "text", "content": _text_of(system)}]})
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        role, content = m.get("role") or "user", m.get("content")
+        if isinstance(content, str):
+            _append(messages, role, [{"type": "text", "content": content}])
+            continue
+        for block in content or ():
+            if not isinstance(block, dict):
+                continue
+            kind = block.get("type")
+            if kind == "text":
+                _append(messages, role, [{"type": "text", "content": block.get("text") or ""}])
+            elif kind == "tool_use":
+                _append(messages, role, [{"type": "tool_call", "id": block.get("id"), "name": block.get("name"),
+                                          "arguments": block.get("input")}])
+            elif kind == "tool_result":
+                messages.append({"role": "tool", "parts": [{"type": "tool_call_response", "id": block.get("tool_use_id"),
+                                                             "response": _text_of(block.get("content"))}]})
+            elif kind == "thinking":
+                _append(messages, role, [{"type": "reasoning", "content": block.get("thinking") or ""}])
+            else:
+                _append(messages, role, [{"type": str(kind), "content": {k: v for k, v in block.items()
+                                                                          if k != "source"}}])
+    return messages
+
+
+def anthropic_stream_output(blocks: list, stop_reason: str | None) -> list:
+    """The assistant turn of a converted Anthropic stream (``MessageStream.content()``), as
+    :class:`ChatOutput` gives it for the chat chunks it was converted from."""
+    parts = []
+    for kind, block, text in blocks:
+        if kind == "thinking" and text:
+            parts.append({"type": "reasoning", "content": text})
+        elif kind == "text" and text:
+            parts.append({"type": "text", "content": text})
+        elif kind == "tool_use":
+            parts.append({"type": "tool_call", "id": block.get("id"), "name": block.get("name"),
+                          "arguments": _arguments(text)})
+    return [{"role": "assistant", "parts": parts, "finish_reason": stop_reason}]
+
+
+def output(cap: AnthropicCapture, stream: bool) -> ChatOutput | None:
+    """A converted response's messages are read from the chat completion (a converted stream's from
+    its Anthropic blocks: :func:`outputs`)."""
+    return ChatOutput() if cap.converted and not stream else None
+
+
+def outputs(cap: AnthropicCapture, out: ChatOutput | None) -> list | None:
+    if out is not None:
+        return out.messages(cap.stop_reason)
+    if cap.converted and cap.stream is not None:
+        return anthropic_stream_output(cap.stream.content(), cap.stop_reason)
+    return None
+
+
+def request(cap: AnthropicCapture, body: dict) -> dict:
+    return cap.request() if cap.converted else body
+
+
+# --- errors and the gateway's relay of /v1/messages' own stream -------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error(status: int, message: str, param: str | None = None) -> bytes:
+    """The gateway's own error answer in Anthropic's shape (Anthropic's has no ``param``)."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def upstream_error(cap: AnthropicCapture, content_type: str, body: bytes) -> tuple[str, bytes]:
+    """vLLM's error answer in Anthropic's shape: its ``/v1/messages`` errors are already; a
+    converted call's chat completions error is made Anthropic's (:func:`~.anthropic_convert.to_error`)."""
+    if not cap.converted:
+        return content_type, body
+    try:
+        doc = loads(body)
+    except ValueError:
+        doc = None
+    return "application/json", dumps(to_error(doc)).encode()
+
+
+def frames(exchange, line: bytes) -> list[bytes]:
+    """vLLM's own Anthropic stream (a request the conversion cannot reproduce), as it came."""
+    return [line + b"\n"]
+
+
+def end(exchange) -> list[bytes]:
+    exchange.finished = True
+    return []
+
+
+PROTOCOL = Protocol(
+    name="messages", client="anthropic", path="/messages", operation="chat", provider="anthropic",
+    capture=AnthropicCapture, request=request, inputs=anthropic_input, output=output, outputs=outputs,
+    frames=frames, end=end, error=error, upstream_error=upstream_error, fields=COMMON_FIELDS)
