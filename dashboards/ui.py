@@ -119,7 +119,7 @@ def records(cursor: duckdb.DuckDBPyConnection) -> list[dict]:
 ROLLOUT_PARAMS = ("task", "split", "agent", "status", "min_reward", "max_reward", "version", "since", "until",
                   "limit", "offset")
 # the rollouts view's status: why a rollout trains or not (a failed one is never a reward of 0)
-STATUSES = ("rewarded", "unrewarded", "failed", "timeout")
+STATUSES = ("rewarded", "unrewarded", "failed", "timeout", "infra")
 
 # One rollout per row, once per request into a temp table that the count and the page read: the
 # rollouts view (without its num_llm_calls, which would read every span's prompt token ids), the
@@ -258,7 +258,7 @@ SELECT any_value(task_id) FILTER (WHERE task_id IS NOT NULL) AS task_id,
            FILTER (WHERE name = 'lightspan.runner') AS outcome,
        any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
            FILTER (WHERE name = 'lightspan.runner') AS exit_code,
-       CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+       CASE WHEN outcome IN ('failed', 'timeout', 'infra') THEN outcome
             WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
 FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
 """

@@ -34,7 +34,7 @@ from .selection_sql import (AGENT_KEY_SQL, AGENTS_SQL, CALLS_SQL, DEDUP_SQL, DRO
 from .tokens import Reader, Tokens
 from .watermark import Watermark
 
-ROLLOUT_DROP_REASONS = ("split", "duplicate", "incomplete", "failed", "timeout", "time_window",
+ROLLOUT_DROP_REASONS = ("split", "duplicate", "incomplete", "failed", "timeout", "infra", "time_window",
                         "no_token_ids", "agent_mismatch", "other_policy", "model_version", "truncated",
                         "no_reward", "small_group")
 CALL_DROP_REASONS = ("duplicate", "agent_mismatch", "no_token_ids", "other_policy",

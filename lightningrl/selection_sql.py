@@ -84,9 +84,9 @@ WITH roll AS (
            max(end_ns) AS last_end,
            max(received_unix_nano) AS last_received,
            count(*) FILTER (WHERE name = $runner) AS runner_spans,
-           -- the worst outcome among runner spans: 2 timeout, 1 failed (or unknown), 0 ok
+           -- the worst outcome among runner spans: 3 infra, 2 timeout, 1 failed (or unknown), 0 ok
            max(CASE coalesce(trim(outcome, '"'), CASE WHEN status_code = 'ERROR' THEN 'failed' ELSE 'ok' END)
-                   WHEN 'ok' THEN 0 WHEN 'timeout' THEN 2 ELSE 1 END)
+                   WHEN 'ok' THEN 0 WHEN 'timeout' THEN 2 WHEN 'infra' THEN 3 ELSE 1 END)
                FILTER (WHERE name = $runner) AS outcome,
            bool_or(name = $root AND status_code = 'ERROR') AS root_error
     FROM _lrl_spans
@@ -102,6 +102,7 @@ SELECT r.rollout_key, r.task_id, r.split, b.built_at IS NOT NULL AS built,
             WHEN b.built_at IS NOT NULL AND r.last_received > b.built_at THEN 'duplicate'
             WHEN b.built_at IS NOT NULL THEN 'built'
             WHEN r.runner_spans = 0 AND r.last_end >= $cutoff THEN 'incomplete'
+            WHEN r.outcome = 3 THEN 'infra'
             WHEN r.outcome = 2 THEN 'timeout'
             WHEN r.outcome = 1 OR r.root_error THEN 'failed'
             WHEN r.start_ns < $since::BIGINT OR r.start_ns >= $until::BIGINT THEN 'time_window'

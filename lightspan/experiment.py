@@ -49,7 +49,7 @@ from lightspan import inference
 from lightspan.inference import LORA_RANKS
 from lightspan.core.config import ConfigError, option
 from lightspan.models import DEFAULT_SMOLLM2_DIR
-from lightspan.rollout.runner import load_tasks
+from lightspan.rollout.runner import RolloutConfig, load_tasks
 from lightspan.runs import (
     CpuClock,
     Stages,
@@ -122,6 +122,10 @@ class ExperimentConfig:
     rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
     disabled_instrumentations: str = option("", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS for the agents (e.g. "
                                                 "'langchain' for an agent that does not use it); empty: inherited.")
+    env_map: tuple[str, ...] = option(
+        (), "Task fields given to the agent as variables (lightspan rollout --env-map, Agent Lightning's env_map): "
+            "NAME=input.FIELD, comma-separated. Every task of both files is checked for them before anything "
+            "starts: a line without one is refused, naming the file, the line and the field.")
     seed: int = option(0, "Seed of the trainer and of vLLM's sampling.")
     vllm_port: int = option(0, "vLLM port when started here; 0 picks a free one.")
     grpc_port: int = option(0, "Collector OTLP/gRPC port; 0 picks a free one.")
@@ -239,14 +243,17 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
     # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     stages = Stages()
+    # the task files first, each task checked for the fields the agent is given (env_map): a bad line is
+    # refused before the data directory is emptied or anything starts
+    variables = RolloutConfig(tasks=cfg.train_tasks, env_map=cfg.env_map).variables
+    train = load_tasks(cfg.train_tasks, variables)
+    val = load_tasks(cfg.val_tasks, variables)[:cfg.val_limit or None]
     data = fresh_data_dir(cfg.data_dir, section)
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_SMOLLM2_DIR
     if not cfg.model:
         from lightspan.models import prepare_smollm2
         stages.time("prepare model", prepare_smollm2, model_dir)
     agent = agent_command(cfg.agent)
-    train = load_tasks(cfg.train_tasks)
-    val = load_tasks(cfg.val_tasks)[:cfg.val_limit or None]
     val_file = write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
     ports = {k: getattr(cfg, f"{k}_port", 0) or _free_port() for k in ("grpc", "http", "api", "vllm", "metrics")}
     log.info("trainer metrics: http://127.0.0.1:%d/metrics", ports["metrics"])
@@ -262,6 +269,8 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
         rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url",
                         f"{vllm_url}/v1", "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
                         "--timeout-s", str(cfg.rollout_timeout_s)]
+        if cfg.env_map:
+            rollout_args += ["--env-map", ",".join(cfg.env_map)]
         api = f"http://127.0.0.1:{ports['api']}"
 
         def rollouts(tasks_file: Path, split: str, samples: int) -> dict:

