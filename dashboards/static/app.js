@@ -3,8 +3,8 @@
 
 import {healthPage} from "./health.js";
 import {main, showError, statusLine} from "./lib.js";
-import {queuePage} from "./feedback.js";
 import {qualityPage} from "./quality.js";
+import {queuePage} from "./queue.js";
 import {rolloutPage} from "./rollout.js";
 import {rolloutsPage} from "./rollouts.js";
 import {trainingPage} from "./training.js";

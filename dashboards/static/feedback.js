@@ -1,10 +1,9 @@
 // Human feedback: a score (good / bad or a number), a comment and optionally the better answer, for a
 // rollout or one of its LLM calls, posted to the collector's POST /v1/rewards with source
-// "human" (the one home of the reward contract); and the annotation queue of rollouts with no
-// reward yet, newest first.
+// "human" (the one home of the reward contract). The rollout page and the annotation queue
+// (queue.js) show the form; this module imports neither, so the modules form no cycle.
 
-import {api, el, fmt, post, show, time} from "./lib.js";
-import {rolloutView} from "./rollout.js";
+import {el, fmt, post} from "./lib.js";
 
 // the reward every person's score is stored under: one per rollout (and one per call); a stored
 // reward is never changed (it may have been trained on), so a second, different score is refused
@@ -58,30 +57,4 @@ export function feedbackForm({rollout, span = null, onStored = null}) {
     }
   });
   return form;
-}
-
-// #/queue?after_time=NS&after_key=KEY: the next unrewarded rollout after the one shown last.
-// The cursor travels as the server wrote it (nanoseconds do not fit a JavaScript number).
-export async function queuePage(params) {
-  const query = new URLSearchParams();
-  for (const name of ["task", "split", "after_time", "after_key"]) if (params.get(name)) query.set(name, params.get(name));
-  const q = await api(`/api/ui/queue?${query}`);
-  const header = el("h1", {text: "Annotation queue"});
-  const counts = el("p", {class: "muted", id: "queue-count",
-    text: `${q.total} rollout(s) without a reward; ${q.remaining} from here on (newest first)`});
-  if (!q.next) {
-    show(header, counts, el("p", {id: "queue-empty", text: q.total ? "Nothing further: the rest were skipped. "
-      : "Every finished rollout has a reward."}, q.total ? el("a", {href: "#/queue", text: "Start again"}) : ""));
-    return;
-  }
-  const past = new URLSearchParams(query);
-  past.set("after_time", q.next.cursor.after_time);
-  past.set("after_key", q.next.cursor.after_key);
-  const next = () => { location.hash = `#/queue?${past}`; };
-  const doc = await api(`/api/ui/rollouts/${encodeURIComponent(q.next.rollout_key)}`);
-  const bar = el("div", {class: "queue-bar card"},
-    el("span", {}, "Rollout ", el("a", {href: `#/rollout/${encodeURIComponent(doc.rollout_key)}`, class: "mono",
-      id: "queue-key", text: doc.rollout_key}), ` · task ${doc.task_id || "—"} · started ${time(doc.start_time_unix_nano)}`),
-    el("button", {type: "button", class: "plain", id: "queue-skip", text: "Skip →", onclick: next}));
-  show(header, counts, bar, rolloutView(doc, feedbackForm({rollout: doc, onStored: next})));
 }
