@@ -207,6 +207,18 @@ def test_the_agent_side_and_the_store_import_only_their_libraries(part):
     assert not wrong, "\n".join(wrong)
 
 
+def test_vllm_is_imported_only_by_the_nccl_sync():
+    """lightspan talks to vLLM over HTTP; only the nccl weight sync's data plane (trainer/nccl.py,
+    inside functions: importing the trainer loads no vllm) uses vllm's own code."""
+    users = {str(path.relative_to(ROOT)) for part in PARTS for path in part_files(part)
+             if any(name.split(".")[0] == "vllm" for name in imports(path)[0])}
+    assert users == {"trainer/nccl.py"}, users
+    tree = ast.parse((ROOT / "trainer" / "nccl.py").read_text())
+    top = {a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names} | {
+        node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {m for m in top if m.split(".")[0] == "vllm"}
+
+
 def test_the_stores_copy_of_the_vocabulary_is_the_vocabulary():
     """The store imports no other part, so its ``llm_calls`` view holds its own copy of the LLM
     operation names; it must be semconv's, or the view and the builder count different calls."""
