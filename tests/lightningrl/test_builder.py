@@ -176,6 +176,7 @@ def test_drops_are_counted_by_reason(tmp_path):
     rows += [call("fail", 0, 10), reward("fail", 20, 1.0), runner("fail", 25, "failed")]
     rows += [call("slow", 0, 10), reward("slow", 20, 1.0), runner("slow", 25, "timeout")]
     rows += [call("errd", 0, 10), reward("errd", 20, 1.0), runner("errd", 25, "failed", attribute=False)]
+    rows += [call("down", 0, 10), runner("down", 25, "infra")]    # a service it needs was down: not a 0
     rows += [call("live", 0, 10), reward("live", 20, 1.0)]       # no runner, last span ends near NOW
     rows[-2]["end_time_unix_nano"] = rows[-1]["end_time_unix_nano"] = NOW - 10**9
     rows += episode("alone", 1.0, task="t9")                          # a group of one
@@ -183,7 +184,7 @@ def test_drops_are_counted_by_reason(tmp_path):
     table, m = build(tmp_path, grace_s=30.0)
     assert set(table.column("rollout_id").to_pylist()) == {"ok1", "ok2"}
     assert {k.rsplit("/", 1)[1]: v for k, v in m.items() if "dropped_rollouts" in k} == {
-        "no_token_ids": 1, "no_reward": 1, "failed": 2, "timeout": 1, "incomplete": 1,
+        "no_token_ids": 1, "no_reward": 1, "failed": 2, "timeout": 1, "infra": 1, "incomplete": 1,
         "small_group": 1, "agent_mismatch": 0, "split": 0, "duplicate": 0, "time_window": 0,
         "model_version": 0, "truncated": 0, "other_policy": 0}
 
