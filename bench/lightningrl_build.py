@@ -13,8 +13,8 @@
    pyarrow limited to as many threads. Reports the fastest run and the median.
 3. Times the baseline on the first ``--baseline-rollouts`` rollouts, in a fresh process: load the
    span dicts from Parquet, group them by rollout, build each trace tree from parent links,
-   walk it (children by start time) for the LLM-call spans (span-name regex, as Agent
-   Lightning's ``TracerTraceToTriplet``), give the rollout's final reward to every call, and
+   walk it (children by start time) for the LLM-call spans (span-name regex, the approach of
+   Agent Lightning's trace-to-triplet adapter), give the rollout's final reward to every call, and
    compute GRPO advantages per task in Python. It is linear in the rollouts (one independent
    walk each), so its time is scaled to the whole store, and the output says so. On that
    subsample the builder's transitions are checked to equal the walk's (ids and advantages).
@@ -140,19 +140,20 @@ def generate(data_dir: Path, rollouts: int, *, seed: int = 0) -> int:
 
 
 # --- the baseline: a per-rollout Python tree walk ---------------------------------------------
-# Agent Lightning's TracerTraceToTriplet (agentlightning/adapter/triplet.py, TraceTree), ported
-# to span dicts: tree from parent links, LLM calls found by span-name regex inside the subtree of
-# a matching agent (one per nested group), token ids checked and copied per call, rewards
-# matched to calls (FIRST_OCCURRENCE), then LightningRL's final reward to every call and GRPO.
+# Written here: the per-rollout approach that Agent Lightning's trace-to-triplet adapter takes, on
+# span dicts (a tree from parent links, LLM calls found by span-name regex inside the subtree of a
+# matching agent, one per nested group, token ids checked and copied per call, each reward given
+# once to the latest call that ended before it), then LightningRL's final reward to every call and
+# GRPO. It is the baseline's shape that matters (a Python walk per rollout), not any one project's code.
 
-class TraceTree:
+class SpanNode:
     __slots__ = ("id", "span", "children")
 
     def __init__(self, span: dict, children: list):
         self.id, self.span, self.children = span["span_id"], span, children
 
     @classmethod
-    def from_spans(cls, spans: list[dict]) -> "TraceTree":
+    def from_spans(cls, spans: list[dict]) -> "SpanNode":
         by_id = {s["span_id"]: s for s in spans}
         forward: dict[str, list[str]] = defaultdict(list)
         roots = []
@@ -174,14 +175,14 @@ class TraceTree:
         return cls({**first, "span_id": "virtual-root", "name": "virtual-root", "parent_span_id": None,
                     "reward": None, "prompt_token_ids": None}, trees)
 
-    def traverse(self) -> list["TraceTree"]:
+    def traverse(self) -> list["SpanNode"]:
         nodes = [self]
         for child in self.children:
             nodes += child.traverse()
         return nodes
 
-    def find_llm_calls(self, llm_call_match: re.Pattern, agent_match: re.Pattern | None, agent: str | None,
-                       within_reward: bool, within_call: bool, seen: set) -> list[tuple["TraceTree", str]]:
+    def calls_under(self, llm_call_match: re.Pattern, agent_match: re.Pattern | None, agent: str | None,
+                       within_reward: bool, within_call: bool, seen: set) -> list[tuple["SpanNode", str]]:
         calls = []
         span = self.span
         if (agent is not None and not within_reward and not within_call and llm_call_match.search(span["name"])
@@ -194,11 +195,11 @@ class TraceTree:
             agent = name if agent_match is None or agent_match.search(name) else None
         within_reward = within_reward or span["reward"] is not None
         for child in self.children:
-            calls += child.find_llm_calls(llm_call_match, agent_match, agent, within_reward, within_call, seen)
+            calls += child.calls_under(llm_call_match, agent_match, agent, within_reward, within_call, seen)
         return calls
 
-    def match_rewards(self, calls: list["TraceTree"]) -> dict[str, float]:
-        """FIRST_OCCURRENCE: each reward goes to the latest call that ended before it (once)."""
+    def first_rewards(self, calls: list["SpanNode"]) -> dict[str, float]:
+        """Each reward goes to the latest call that ended before it, and a call takes one reward."""
         ids, rewards, assign_to = {c.id for c in calls}, {}, []
         for node in sorted(self.traverse(), key=lambda n: n.span["start_time_unix_nano"]):
             if node.id in ids:
@@ -213,7 +214,7 @@ class TraceTree:
 
 
 def _ids(values) -> list | None:
-    """Agent Lightning's _attributes_get_ids_multiple: a list of ints, checked and copied."""
+    """A list of ints, checked and copied (as a per-call adapter reads token ids)."""
     if isinstance(values, (list, tuple)) and all(isinstance(x, int) for x in values):
         return list(values)
     return None
@@ -237,8 +238,8 @@ def baseline(files: list[str], *, epsilon: float = 1e-6, llm_call_match: str = r
         runners = [s for s in nodes if s["name"] == "lightspan.runner"]
         if not runners or any('"ok"' != dict(s["attributes"] or ()).get("lightspan.rollout.outcome") for s in runners):
             continue                         # incomplete, failed or timed out
-        root = TraceTree.from_spans(nodes)
-        calls = root.find_llm_calls(call_pattern, agent_pattern, "*" if agent_pattern is None else None,
+        root = SpanNode.from_spans(nodes)
+        calls = root.calls_under(call_pattern, agent_pattern, "*" if agent_pattern is None else None,
                                     False, False, set())
         triplets = []
         for node, agent in calls:
@@ -248,7 +249,7 @@ def baseline(files: list[str], *, epsilon: float = 1e-6, llm_call_match: str = r
             if prompt and response and logprobs is not None and len(logprobs) == len(response):
                 triplets.append((node, {"transition_id": f"{key}/{span['span_id']}", "prompt": prompt,
                                         "response": response, "logprobs": list(logprobs), "agent": agent}))
-        matched = root.match_rewards([node for node, _ in triplets])
+        matched = root.first_rewards([node for node, _ in triplets])
         rewards = sorted((s for s in nodes if s["reward"] is not None),
                          key=lambda s: (s["end_time_unix_nano"], s["span_id"], s["reward"]))
         if not triplets or not rewards:
