@@ -108,10 +108,15 @@ export function rolloutView(doc, top = []) {
     el("h2", {text: "Transitions"}), transitions];
 }
 
-// a failed or timed-out rollout says so: it is a failure, not a reward of 0
+// a failed or timed-out rollout says so: it is a failure, not a reward of 0; an infrastructure
+// failure (a service the agent needs was down) is not even that
 function outcomeNote(doc) {
-  if (doc.status !== "failed" && doc.status !== "timeout") return "";
   const exit = doc.exit_code !== null && doc.exit_code !== undefined ? ` (exit code ${doc.exit_code})` : "";
+  if (doc.status === "infra") {
+    return el("p", {class: "error", id: "outcome-note",
+      text: `The rollout failed for the infrastructure${exit}: it is retried, left out of pass@k and never trained on.`});
+  }
+  if (doc.status !== "failed" && doc.status !== "timeout") return "";
   const what = doc.status === "timeout" ? "timed out" : `failed${exit}`;
   return el("p", {class: "error", id: "outcome-note",
     text: `The rollout ${what}: it counts as a failure in pass@k and is never trained with a reward of 0.`});

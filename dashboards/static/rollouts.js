@@ -2,7 +2,7 @@
 
 import {api, badge, captureBadge, duration, el, fmt, show, splitBadge, stat, statusBadge, time} from "./lib.js";
 
-const STATUSES = ["rewarded", "unrewarded", "failed", "timeout"];
+const STATUSES = ["rewarded", "unrewarded", "failed", "timeout", "infra"];
 const FILTERS = ["task", "split", "agent", "status", "min_reward", "max_reward", "version", "since", "until", "limit", "offset"];
 
 export async function rolloutsPage(params) {
