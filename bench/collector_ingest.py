@@ -27,7 +27,11 @@ Targets, one after the other, each in its own process (the load generator keeps 
 3. ``lightspan-nofsync`` (unless ``--targets`` leaves it out): the same collector with the WAL's
    fsync replaced by a no-op in its process, to separate the price of durability from the price
    of flattening. Not a configuration anyone should run.
-4. ``bucket`` (only when named in ``--targets``): the same collector writing its Parquet to an
+4. ``lightspan-forward`` (with ``--forward``): the same collector forwarding everything it
+   acknowledges (``[collector.forward]``, collector/forward.py) to a second lightspan collector,
+   ``lightspan collector`` in a process of its own on the same cores; printed beside ``lightspan``
+   with what the forwarder sent, retried and dropped, and what the second collector stored.
+5. ``bucket`` (only when named in ``--targets``): the same collector writing its Parquet to an
    S3-compatible bucket (``s3://bench/…``, WAL on local disk) served by moto's S3 server
    (tests/s3server.py), which this script starts on loopback: a Python server on the same cores,
    so the numbers are a floor for a real object store elsewhere.
@@ -248,7 +252,7 @@ def _use_tree(tree: str) -> None:
 
 
 def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None, transport: str = "grpc",
-               bucket: str | None = None) -> None:
+               bucket: str | None = None, forward: str | None = None) -> None:
     if tree:
         _use_tree(tree)
     from lightspan import store
@@ -261,6 +265,8 @@ def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None,
 
     where = {"data_dir": bucket, "wal_dir": str(Path(data_dir) / "wal"), "collector_id": "bench"} if bucket \
         else {"data_dir": data_dir}
+    if forward:
+        where["forward"] = {"endpoint": forward, "drain_s": 60.0}
     collector = Collector(CollectorConfig(**where, grpc_port=0, http_port=0, api_port=0)).start()
     if tree:
         import lightspan.collector.server as module
@@ -281,7 +287,35 @@ def _lightspan(conn, data_dir: str, fsync: bool = True, tree: str | None = None,
     con.close()
     conn.send({"spans_accepted": snap["spans_accepted_total"], "spans_in_parquet": rows,
                "fsyncs": snap_fsyncs(collector), "stop_s": stop_s,
-               "refused": snap["requests_refused_total"]})
+               "refused": snap["requests_refused_total"],
+               **({k: snap[f"forward_{k}_total"] for k in ("queued", "sent", "dropped", "retries")} if forward else {})})
+
+
+def _second_collector(data_dir: str):
+    """``lightspan collector`` in a process of its own: the forward target. Returns (process, OTLP/HTTP URL)."""
+    import subprocess
+    import urllib.request
+
+    import socket
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ports = [free(), free(), free()]
+    proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", data_dir,
+                             "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--api-port", str(ports[2]),
+                             "--log-format", "text"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/healthz", timeout=1)
+            return proc, f"http://127.0.0.1:{ports[1]}"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the forward target did not start")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -300,6 +334,7 @@ def snap_fsyncs(collector) -> int:
 def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    second = None
     with tempfile.TemporaryDirectory(prefix="lightspan-bench-", dir=args.data_dir) as data_dir:
         if name == "baseline":
             if args.transport != "grpc":
@@ -308,7 +343,10 @@ def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
         else:
             tree = args.compare_tree if name == "tree" else None
             bucket = f"s3://bench/run-{os.urandom(4).hex()}" if name == "bucket" else None
-            target = (_lightspan, (child, data_dir, name != "lightspan-nofsync", tree, args.transport, bucket))
+            if name == "lightspan-forward":
+                second = _second_collector(str(Path(data_dir) / "second"))
+            target = (_lightspan, (child, data_dir, name != "lightspan-nofsync", tree, args.transport, bucket,
+                                   second[1] if second else None))
         process = ctx.Process(target=target[0], args=target[1], daemon=True)
         process.start()
         try:
@@ -324,6 +362,15 @@ def run_target(name: str, args, payloads: list[tuple[bytes, bytes]]) -> dict:
             process.join(30)
             if process.is_alive():
                 process.kill()
+            if second is not None:
+                second[0].terminate()                    # it flushes on SIGTERM
+                second[0].wait(60)
+        if second is not None:
+            from lightspan import store
+
+            con = store.connect(str(Path(data_dir) / "second"))
+            result["server"]["second_collector_spans"] = con.execute("SELECT count(*) FROM spans").fetchone()[0]
+            con.close()
     return result
 
 
@@ -345,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the collector's WAL and Parquet go (a temporary directory inside it; default: "
                              "the system's temp dir). Put it on the disk you mean to deploy on: fsync cost varies")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--forward", action="store_true",
+                        help="add the target lightspan-forward: the collector forwarding all it acknowledges to a "
+                             "second lightspan collector, side by side with lightspan (forwarding off)")
     args = parser.parse_args(argv)
 
     rng = random.Random(0)
@@ -357,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         payloads.append((payload, mark))
     span_bytes = sum(len(p) for p, _ in payloads) / (len(payloads) * args.batch)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync", "tree", "bucket"}
+    if args.forward and "lightspan-forward" not in targets:
+        targets.append("lightspan-forward")
+    unknown = set(targets) - {"baseline", "lightspan", "lightspan-nofsync", "tree", "bucket", "lightspan-forward"}
     if unknown or "lightspan" not in targets or ("tree" in targets) != bool(args.compare_tree):
         parser.error(f"--targets: need lightspan, may add baseline, lightspan-nofsync, and tree with --compare-tree; "
                      f"got {targets}")
@@ -406,6 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in results:
             if name != reference:
                 print(f"{name} / {reference} = {results[name]['spans_per_s'] / results[reference]['spans_per_s']:.3f}")
+        if "lightspan-forward" in results:
+            fw = results["lightspan-forward"]["server"]
+            pairs = [a / b for a, b in zip(results["lightspan-forward"]["runs_spans_per_s"],
+                                           results["lightspan"]["runs_spans_per_s"])]
+            print(f"forwarding on / off (median of paired runs): {statistics.median(pairs):.3f}; forwarded "
+                  f"{fw['sent']} of {fw['queued']} requests queued ({fw['dropped']} dropped, {fw['retries']} "
+                  f"retries), the second collector stored {fw['second_collector_spans']} of "
+                  f"{fw['spans_accepted']} spans")
         if "lightspan-nofsync" in results:
             print(f"lightspan / lightspan-nofsync = "
                   f"{results['lightspan']['spans_per_s'] / results['lightspan-nofsync']['spans_per_s']:.2f}")

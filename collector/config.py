@@ -158,6 +158,12 @@ class CollectorConfig:
         "train: a table {LABEL = value} or {\"NAME/LABEL\" = value} for one evaluation's label (the "
         "environment takes it as JSON). An evaluation with a label it does not map is stored and not trained "
         "on.")
+    forward: dict | None = option(
+        None,
+        "Forward what the collector acknowledges to another OTLP/HTTP endpoint: a [collector.forward] table "
+        "(endpoint, headers, queue_bytes, timeout_s, backoff_s, backoff_max_s, max_elapsed_s, drain_s; "
+        "collector/forward.py), or the same as JSON in the environment. A bounded queue and retries with backoff; "
+        "it never holds up an acknowledgement, and what it drops is counted.")
     evaluation_wait_s: float = option(
         60.0,
         "How long an evaluation event that arrives before the span it evaluates waits for that span (its "
@@ -255,6 +261,10 @@ class CollectorConfig:
             fail("dedup_window_s", f"{self.dedup_window_s!r} is not a positive number of seconds", "use e.g. 600")
         if not is_int(self.dedup_max_keys) or self.dedup_max_keys < 2:
             fail("dedup_max_keys", f"{self.dedup_max_keys!r} is not a whole number >= 2", "use e.g. 1000000")
+        if self.forward is not None:
+            from lightspan.collector.forward import parse
+
+            parse(self.forward)                 # a ConfigError naming collector.forward.<field>
         if self.evaluation_label_values is not None:
             if not isinstance(self.evaluation_label_values, dict) or not all(
                     isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -501,6 +501,34 @@ def drop_records(request: ExportLogsServiceRequest, table: pa.Table, record_ids:
 
 # --- out: lightspan's rewards as evaluation events ----------------------------------------------------
 
+def rewards_of(request: ExportTraceServiceRequest, data_dir) -> list[dict]:
+    """The rewards of the API's reward spans in ``request`` as :func:`event_records` takes them, each
+    with the trace id of the call it scores when the store holds that call."""
+    out = []
+    for rs in request.resource_spans:
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                attrs = {kv.key: otlp_logs._py(kv.value) for kv in span.attributes}
+                out.append({"name": attrs.get(sc.REWARD_NAME), "value": attrs.get(sc.REWARD),
+                            "comment": attrs.get(sc.REWARD_COMMENT), "source": attrs.get(sc.REWARD_SOURCE),
+                            "rollout_id": attrs.get(sc.ROLLOUT_ID), "time_unix_nano": span.end_time_unix_nano,
+                            "span_id": attrs.get(sc.REWARD_CALL_SPAN_ID)})
+    calls = sorted({r["span_id"] for r in out if r["span_id"]})
+    if calls:
+        def query():
+            con = store.connect(data_dir)
+            try:
+                return dict(con.execute("SELECT span_id, any_value(trace_id) FROM spans WHERE span_id IN "
+                                        "(SELECT unnest($s::VARCHAR[])) GROUP BY 1", {"s": calls}).fetchall())
+            finally:
+                con.close()
+
+        traces = store.retry_vanished(query)
+        for reward in out:
+            reward["trace_id"] = traces.get(reward["span_id"])
+    return out
+
+
 def event_records(rewards: list[dict], service_name: str = "lightspan-collector") -> ExportLogsServiceRequest:
     """``gen_ai.evaluation.result`` log records of lightspan's own rewards (a judge's, a person's), so
     other tools show them: ``rewards`` are dicts with ``name``, ``value``, ``comment``, ``source``,

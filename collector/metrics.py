@@ -42,6 +42,11 @@ COUNTERS = {
                                  "set (the evaluation failed). The log record is stored; no reward.",
     "evaluations_conflicting_total": "Evaluation log records rejected because their key (evaluator, name, evaluated "
                                      "span) holds another value already (partial_success).",
+    "forward_queued_total": "Acknowledged requests queued to be forwarded to [collector.forward]'s endpoint.",
+    "forward_sent_total": "Requests the forward endpoint accepted.",
+    "forward_dropped_total": "Requests not forwarded: the queue was full, the endpoint refused them (not "
+                             "retryable), retries ran past max_elapsed_s, or the collector stopped first.",
+    "forward_retries_total": "Retried tries of the forward endpoint (connection errors, 408/429/502/503/504).",
     "flush_errors_total": "Flushes that failed to write Parquet; their data stays queued and in the WAL.",
     "compactions_total": "Date partitions whose small Parquet files were merged into one.",
     "files_compacted_total": "Small Parquet files removed by compaction (replaced by merged files).",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from lightspan import store
 from lightspan.core import web
-from lightspan.collector import evaluations, httpd, jsonlog, reward_integrity, sqlpool
+from lightspan.collector import evaluations, forward, httpd, jsonlog, reward_integrity, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_INFO_KEY, GrpcReceiver,
@@ -74,6 +74,7 @@ class Collector:
         self.writer = Writer(self.config, self.metrics)
         self.budget = web.ByteBudget(self.config.max_inflight_bytes)   # both HTTP ports and gRPC
         self.queries: sqlpool.QueryPool | None = None
+        self.forwarder: forward.Forwarder | None = None
         self._grpc: GrpcReceiver | None = None
         self._http: web.Server | None = None
         self._api: web.Server | None = None
@@ -131,6 +132,9 @@ class Collector:
                 self._unbind()
                 raise
             self.queries = sqlpool.QueryPool(self.config)
+            forwarding = forward.parse(self.config.forward)
+            if forwarding is not None:
+                self.forwarder = forward.Forwarder(forwarding, self.metrics).start()
             self.writer.start()
             self._grpc.start()
             self._http.start()
@@ -149,6 +153,8 @@ class Collector:
             self._grpc.stop()                 # in-flight RPCs finish first
             self._http.stop()
             self.writer.stop()                # a late export is refused; the rest goes to Parquet
+            if self.forwarder is not None:
+                self.forwarder.stop()         # what is queued, for at most drain_s
             self._api.stop()
             self.queries.close()
             self._state = "stopped"
@@ -234,6 +240,8 @@ class Collector:
                 self.metrics.add(f"{noun}_accepted_total", accepted)
                 if book:
                     book.remember(keys)
+                if self.forwarder is not None:
+                    self._forward(signal, payload, request, own)
         if rejected:
             self.metrics.add(f"{noun}_rejected_total", rejected)
             log.debug("export: %s", message)
@@ -246,6 +254,17 @@ class Collector:
                             "claim(s) stored as the agent's", forged, claims,
                             extra={"forged": forged, "claims": claims, "suppressed": suppressed})
         return ExportResult(Outcome.OK, message, accepted, rejected, signal)
+
+    def _forward(self, signal: str, payload: bytes, request, own: bool) -> None:
+        """Hand an acknowledged request to the forwarder (collector/forward.py); the API's rewards go
+        as gen_ai.evaluation.result events, parented to the call they score when it is stored."""
+        if signal == "logs":
+            self.forwarder.offer("logs", payload[len(LOGS_TAG):])
+        elif not own:
+            self.forwarder.offer("traces", payload)       # no span of the reward scope: drop_reserved
+        else:
+            self.forwarder.offer("logs", evaluations.event_records(
+                evaluations.rewards_of(request, self.data_dir)).SerializeToString())
 
     def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:
         """Count a refused request and describe it (transports use this for their own checks)."""

@@ -77,9 +77,56 @@ def _judge(cfg, args) -> int:
 
 
 def _export(cfg, args) -> int:
-    from lightspan.store.export import write
+    from pathlib import Path
 
-    return _print_json(write(cfg))
+    from lightspan.store.export import OTLP_JSON, spans, write
+
+    if cfg.resolved_format != OTLP_JSON:
+        return _print_json(write(cfg))
+    from lightspan.collector.otlp_files import write_spans
+
+    table = spans(cfg)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _print_json({"spans": table.num_rows, "requests": write_spans(table, out), "out": str(out),
+                        "format": OTLP_JSON})
+
+
+def _import(args) -> int:
+    import tempfile
+
+    from lightspan.collector.config import CollectorConfig
+    from lightspan.collector.otlp_files import import_files
+    from lightspan.collector.server import Collector
+    from lightspan.core.config import resolve
+
+    cfg = resolve(CollectorConfig, section="collector", file=args.config,
+                  cli={"data_dir": args.data_dir, "grpc_port": 0, "http_port": 0, "api_port": 0,
+                       "host": "127.0.0.1", "compact_min_files": 0, "flush_interval_s": 3600.0})
+    with tempfile.TemporaryDirectory(prefix="lightspan-import-wal-") as wal:
+        # a WAL of its own: a collector serving the same data directory keeps its own WAL to itself
+        collector = Collector(CollectorConfig(**{**cfg.__dict__, "wal_dir": wal})).start()
+        try:
+            report = import_files(args.files, collector, own_rewards=args.own_rewards)
+        finally:
+            collector.stop()
+    _print_json(report)
+    return 1 if report["malformed_total"] else 0
+
+
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="OTLP/JSON files: the OTel Collector file exporter's (one export request per line; "
+                        ".gz or .zst compressed, or its zstd records), or the Python SDK's JSON file or console "
+                        "exporter output where it is OTLP JSON")
+    p.add_argument("--data-dir", default=None, help="data directory to store into (default $LIGHTSPAN_DATA_DIR or "
+                   "./lightspan-data); a collector may be serving it: the import writes beside it, with a WAL of "
+                   "its own")
+    p.add_argument("--config", default=None, help="TOML file with a [collector] table (its limits and checks apply)")
+    p.add_argument("--own-rewards", action="store_true",
+                   help="the files are lightspan's own export (lightspan export --format otlp-json): take their "
+                        "rewards of the collector's reward scope as the collector's. Without it they are refused, "
+                        "as from any sender")
 
 
 def _call(path: str) -> Callable:
@@ -177,7 +224,12 @@ JOBS = {
     "experiment": Job("train any agent on its train/val task files; write the learning curve (PNG + JSON)",
                       _call("lightspan.experiment:run"), "lightspan.experiment:ExperimentConfig", "experiment"),
     "export": Job("write rollouts, LLM calls or transitions, filtered, to JSONL or Parquet (datasets for evaluation "
-                  "or fine-tuning elsewhere)", _export, "lightspan.store.export:ExportConfig", "export"),
+                  "or fine-tuning elsewhere); or the stored spans as OTLP JSON (--format otlp-json, with --since, "
+                  "--until, --where) for another backend or lightspan import", _export,
+                  "lightspan.store.export:ExportConfig", "export"),
+    "import": Job("read OTLP JSON files (the OTel Collector file exporter's format, .gz/.zst too) into the store: "
+                  "the receivers' checks, idempotent, malformed lines reported by file and line", _import,
+                  arguments=_import_arguments),
     "sql": Job("run SQL over the stored spans, rollouts, rewards, transitions, train_steps", _sql,
                arguments=_sql_arguments),
     "model": Job("make a model vLLM can serve and reload: the SmolLM2 demo model or a tiny test model", _model,

