@@ -165,8 +165,8 @@ class Sandbox:
                 view += ["--ro-bind", str(host), str(host)]
         status = [] if status_fd is None else ["--json-status-fd", str(status_fd)]
         return [prlimit, *limits, "--", bwrap, *status,
-                "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--hostname", "sandbox", *view, "--proc", "/proc", "--dev", "/dev",
+                "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", *view, "--proc", "/proc", "--dev", "/dev",
                 "--size", str(disk), "--tmpfs", WORK_DIR, "--symlink", WORK_DIR, "/tmp",
                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK_DIR,   # only the work dir is writable
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK_DIR,
