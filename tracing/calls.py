@@ -1,10 +1,13 @@
 """One intercepted generation call: what to send (:func:`prepare`), where it is recorded (:class:`Call`).
 
-:func:`prepare` runs in the client's ``post`` before the request: it decides whether the call is
-captured (:mod:`.urls`), makes the capture of its API, rewrites the request (the capture fields;
-an Anthropic call converted to chat completions), and picks the span (:func:`.spans.target`).
+:func:`prepare` runs in the client's ``post`` before the request: it looks the call's protocol up
+(:func:`lightspan.tracing.protocols.of`), decides whether the call is captured (:mod:`.urls`),
+makes the capture and the request of the protocol's row (the capture fields added, or the chat
+completion a Responses or Anthropic call converts to), and picks the span (:func:`.spans.target`).
 :class:`Call` then records the capture on the span when the answer (or its stream) ends, and
-counts the outcome (:mod:`.report`).
+counts the outcome (:mod:`.report`). Nothing here depends on which protocol or client library a
+call is but through their rows (:data:`~lightspan.tracing.protocols.PROTOCOLS`,
+:data:`~lightspan.tracing.clients.CLIENTS`).
 """
 
 from __future__ import annotations
@@ -17,20 +20,13 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lightspan.tracing import anthropic_client, messages, semconv, spans, urls
-from lightspan.tracing.protocols import anthropic_messages, chat, responses
-from lightspan.tracing.protocols import responses as capture_responses
-from lightspan.tracing.protocols.anthropic_messages import AnthropicCapture
-from lightspan.tracing.protocols.base import REASONS
-from lightspan.tracing.protocols.chat import Capture, with_capture
-from lightspan.tracing.protocols.responses import ConvertedCapture, ResponsesCapture
+from lightspan.tracing import messages, protocols, semconv, spans, urls
+from lightspan.tracing.clients import Client
+from lightspan.tracing.protocols import Protocol
+from lightspan.tracing.protocols.base import REASONS, converted_path
 from lightspan.tracing.report import CAPTURED, GATEWAY, OTHER_URL, REPORT
 
 log = logging.getLogger(__name__)
-
-_SYSTEMS = {"openai": "openai", "anthropic": "anthropic"}
-_INPUTS = {urls.CHAT: chat.chat_input, urls.TEXT_COMPLETION: chat.chat_input,
-           urls.RESPONSES: responses.responses_input, urls.MESSAGES: anthropic_messages.anthropic_input}
 
 
 def model_version() -> int | None:
@@ -74,11 +70,12 @@ _LIBRARY_RECORDS = frozenset({semconv.GEN_AI_OPERATION_NAME, semconv.GEN_AI_REQU
 class Call:
     """A call being captured: its capture, its span, and what its answer's reader needs."""
 
-    __slots__ = ("library", "api", "cap", "span", "owned", "output", "stream", "converted", "ended", "path",
+    __slots__ = ("client", "protocol", "cap", "span", "owned", "output", "stream", "converted", "ended", "path",
                  "adopted", "deferred", "start", "name", "content")
 
-    def __init__(self, library: str, api: str, cap, stream: bool, converted: bool = False):
-        self.library, self.api, self.cap, self.stream, self.converted = library, api, cap, stream, converted
+    def __init__(self, client: Client, protocol: Protocol, cap, stream: bool):
+        self.client, self.protocol, self.cap, self.stream = client, protocol, cap, stream
+        self.converted = cap is not None and cap.converted
         self.span, self.owned, self.output, self.ended, self.path = None, False, None, False, None
         self.adopted = False
         self.deferred = None   # (adopting's reset token, start ns) while the span to adopt is awaited
@@ -132,8 +129,9 @@ class Call:
                 span.set_attribute(semconv.CAPTURE_REASON, REASONS[status])
 
     def returned(self) -> None:
-        """The client's call returned: traceloop's Responses wrapper starts its span of it next."""
-        if self.api == urls.RESPONSES and self.span is not None and (self.owned or self.cap is None):
+        """The client's call returned: the instrumentation's span of a protocol whose span starts
+        late (traceloop's Responses wrapper) starts next."""
+        if self.protocol.late_span and self.span is not None and (self.owned or self.cap is None):
             spans.NESTING.responses_call.set(spans.span_id(self.span))
 
     def passed(self, resp):
@@ -174,8 +172,8 @@ class Call:
                 attrs.update(item for item in cap.genai_attributes().items() if item[0] not in _LIBRARY_RECORDS)
             elif self.owned and cap.readable:
                 attrs.update(cap.genai_attributes())
-            if (self.owned or self.adopted) and cap.readable:
-                out = self._output()
+            if (self.owned or self.adopted) and cap.readable and self.content:
+                out = self.protocol.outputs(cap, self.output)
                 if out is not None:
                     attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = messages.dumps(out)
         except Exception:  # never break the agent's call over telemetry
@@ -185,17 +183,6 @@ class Call:
             span.set_attributes(attrs)
         status = attrs.get(semconv.CAPTURE_STATUS)
         REPORT.count(status, attrs.get(semconv.CAPTURE_REASON) if status != CAPTURED else None)
-
-    def _output(self):
-        if self.api == urls.RESPONSES:
-            return responses.responses_output(self.cap.response, self.cap.finish_reason) if self.cap.response else None
-        if self.converted and self.stream:
-            if not self.content:
-                return None
-            return anthropic_messages.anthropic_stream_output(self.cap.stream.content(), self.cap.stop_reason)
-        if self.output is None:
-            return None
-        return self.output.messages(getattr(self.cap, "stop_reason", None))
 
 
 _LAST_BASE_URL: list = [None, ""]  # the base URL object seen last, its text
@@ -208,11 +195,6 @@ def _base_url_text(instance) -> str:
     if url is not _LAST_BASE_URL[0]:
         _LAST_BASE_URL[:] = [url, str(url)]
     return _LAST_BASE_URL[1]
-
-
-@functools.lru_cache(maxsize=256)
-def _api(path: str, library: str) -> str | None:
-    return urls.api(path, library)
 
 
 @functools.lru_cache(maxsize=16)
@@ -239,39 +221,24 @@ def _other_url_reason(base: str, raw: str) -> str:
             "LIGHTSPAN_CAPTURE_URLS; a hosted API's calls cannot be trained on")
 
 
-_SENTINELS = frozenset({"NotGiven", "Omit"})
-
-
-def _given(body: dict) -> dict:
-    """The body without the top-level ``NOT_GIVEN`` / ``omit`` sentinels that the openai 1.x client
-    leaves in the body it posts and strips only as it sends it (its arguments left unset)."""
-    if not any(type(v).__name__ in _SENTINELS for v in body.values()):
-        return body
-    return {k: v for k, v in body.items() if type(v).__name__ not in _SENTINELS}
-
-
-def _capture(library: str, api: str, body: dict, asked: dict, stream: bool, instance):
-    """(call, request body to send) for a call bound for a capture URL."""
-    if api == urls.RESPONSES:
-        cap = ResponsesCapture.for_request(_given(asked))
-        if isinstance(cap, ConvertedCapture):   # as a chat completion, which has every token's logprob
-            return Call(library, api, cap, stream, converted=True), cap.request()
-        return Call(library, api, cap, stream), body if cap.unsupported else capture_responses.with_capture(body)
-    if api == urls.MESSAGES:
-        cap = AnthropicCapture(anthropic_client.plain(asked))
-        why = anthropic_client.cannot_convert(instance, stream) if cap.converted else None
+def _capture(client: Client, protocol: Protocol, body: dict, plain: dict, stream: bool, instance):
+    """(call, request body to send) for a call bound for a capture URL (``plain``: what the caller
+    asked for, as JSON data)."""
+    cap = protocol.capture(plain)
+    if cap.converted:   # as a chat completion, which has every token's logprob
+        why = client.cannot_convert(instance, stream)
         if why:
-            cap.unsupported, cap.chat_body = why, None
-        return Call(library, api, cap, stream, converted=cap.converted), cap.request() if cap.converted else body
-    return Call(library, api, Capture.for_request(asked, api), stream), with_capture(body, api)
+            cap = cap.unconverted(why)
+    return Call(client, protocol, cap, stream), protocol.request(cap, body)
 
 
 def _adopts(call: "Call", instance, options) -> bool:
     """Whether the client starts the call's LLM span itself, during the call, and keeps it open
-    until lightspan has read the answer: the ``anthropic`` client with its tracing on (2.x; a
-    client's ``_tracer`` is None when it is off), but for ``with_streaming_response`` of a call
-    that does not stream (the SDK ends its span as the body is read, before ``parse()`` decodes it)."""
-    if call.api != urls.MESSAGES or getattr(instance, "_tracer", None) is None:
+    until lightspan has read the answer: a client that opens spans of its own (the ``anthropic``
+    client 2.x) with its tracing on (a client's ``_tracer`` is None when it is off), but for
+    ``with_streaming_response`` of a call that does not stream (the SDK ends its span as the body is
+    read, before ``parse()`` decodes it)."""
+    if not call.client.own_spans or getattr(instance, "_tracer", None) is None:
         return False
     headers = options.get("headers") if isinstance(options, dict) else None
     raw = headers.get(_RAW_RESPONSE_HEADER) if isinstance(headers, dict) else None
@@ -281,28 +248,28 @@ def _adopts(call: "Call", instance, options) -> bool:
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_raw/streaming_response
 
 
-def _start_attributes(api: str, library: str, model: str, body: dict, content: list) -> dict:
+def _start_attributes(protocol: Protocol, model: str, body: dict, content: list) -> dict:
     """A span of our own's start attributes (``content`` gets True when they hold the messages)."""
-    attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: urls.OPERATION[api], semconv.GEN_AI_REQUEST_MODEL: model,
-                           semconv.GEN_AI_PROVIDER_NAME: _SYSTEMS[library]})
+    attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: protocol.operation, semconv.GEN_AI_REQUEST_MODEL: model,
+                           semconv.GEN_AI_PROVIDER_NAME: protocol.provider})
     if content_on():
         content.append(True)
         try:
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_INPUTS[api](body))
+            attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(protocol.inputs(body))
         except Exception:
             log.debug("lightspan: could not read the request's messages", exc_info=True)
     return attrs
 
 
-def _open(call: Call, body: dict, library: str, instance=None, options=None) -> bool:
+def _open(call: Call, body: dict, instance=None, options=None) -> bool:
     """Pick the call's span (or await the client's: :meth:`Call.settle`); True when the span
     records the messages lightspan reads."""
     content: list = []
     model = str(body.get("model") or "")
     # (a partial, not a closure over the call: the call must not be part of a reference cycle, or its
     # answer's data would wait for the garbage collector)
-    call.start = functools.partial(_start_attributes, call.api, library, model, body, content)
-    call.name = f"{urls.OPERATION[call.api]} {model}".strip()
+    call.start = functools.partial(_start_attributes, call.protocol, model, body, content)
+    call.name = f"{call.protocol.operation} {model}".strip()
     call.span, call.owned = spans.target(call.name, call.start, _adopts(call, instance, options))
     if call.span is None:
         call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
@@ -310,44 +277,45 @@ def _open(call: Call, body: dict, library: str, instance=None, options=None) -> 
     return bool(content)
 
 
-def prepare(library: str, instance, args, kwargs):
+def prepare(client: Client, instance, args, kwargs):
     """(call or None, the ``post`` keyword arguments to call with)."""
     path = args[0] if args else kwargs.get("path", "")
     body = kwargs.get("body")
     if not isinstance(body, dict) or not isinstance(path, str):
         return None, kwargs
-    api = _api(path, library)
-    if api is None:
+    protocol = protocols.of(path, client.name)
+    if protocol is None:
         return None, kwargs
     raw = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
     base = _base_url_text(instance)
     captured, agl = _route(base, path, raw, os.environ.get("AGL_OPENAI_BASE_URL", ""))
     options = kwargs.get("options")
     if not captured:
-        return _not_captured(library, api, base, raw, body, options, kwargs)
+        return _not_captured(client, protocol, base, raw, body, options, kwargs)
     stream = bool(kwargs.get("stream") or body.get("stream"))
     extra = options.get("extra_json") if isinstance(options, dict) else None
     # what the caller asked for: the client merges ``extra_body`` (``options["extra_json"]``) over the body
     asked = {**body, **extra} if isinstance(extra, dict) and extra else body
-    call, sent = _capture(library, api, body, asked, stream, instance)
+    plain = client.plain(asked)
+    call, sent = _capture(client, protocol, body, plain, stream, instance)
     kwargs = {**kwargs, "body": sent}
     if call.converted:
         # the converted body holds the caller's extra_body already (it was converted from ``asked``)
         kwargs["options"] = {k: v for k, v in options.items() if k != "extra_json"} if isinstance(options, dict) else options
-        chat_path = path[:path.rindex("/responses" if api == urls.RESPONSES else "/messages")] + "/chat/completions"
+        chat_path = converted_path(path, protocol)
         if args:
             call.path = chat_path
         else:
             kwargs["path"] = chat_path
-    if api != urls.MESSAGES and agl:
+    if agl:   # (a converted capture shows the caller nothing of the chat answer's either way)
         call.cap.caller_ids = call.cap.caller_logprobs = True
-    content = call.content = _open(call, call.cap.body if api == urls.MESSAGES else asked, library, instance, options)
-    if content and ((call.converted and not stream and api == urls.MESSAGES) or api in (urls.CHAT, urls.TEXT_COMPLETION)):
-        call.output = chat.ChatOutput()   # the assistant turn, for the span's output messages
+    content = call.content = _open(call, plain, instance, options)
+    if content:   # the assistant turn, read as the answer passes, for the span's output messages
+        call.output = protocol.output(call.cap, stream)
     return call, kwargs
 
 
-def _not_captured(library: str, api: str, base: str, raw: str, body: dict, options, kwargs):
+def _not_captured(client: Client, protocol: Protocol, base: str, raw: str, body: dict, options, kwargs):
     if not urls.gateway_mode(raw):
         reason = _other_url_reason(base, raw)
         REPORT.count(OTHER_URL, reason, url=base)
@@ -363,10 +331,10 @@ def _not_captured(library: str, api: str, base: str, raw: str, body: dict, optio
     call = None
     current = trace.get_current_span()
     span = current if spans.is_llm_span(current) else _pending_llm_span()
-    if api == urls.RESPONSES:
-        call = Call(library, api, None, False)
+    if protocol.late_span:   # the instrumentation's span starts only after the call: one of our own now
+        call = Call(client, protocol, None, False)
         if span is None:
-            _open(call, body, library)
+            _open(call, body)
             span = call.span if call.owned else None
         else:
             call.span = span   # (traceloop's span of it, starting after the call, is marked its duplicate)

@@ -5,19 +5,20 @@ It wraps the ``post`` of the ``openai`` client (1.x, 2.x, 3.x) and of the ``anth
 (sync and async; a library is wrapped when it is imported), which runs inside whichever GenAI
 span an instrumentation opened around the call, so the attributes land on it (:mod:`.spans`):
 
-1. requests of a generation API (chat completions, completions, Responses, Anthropic Messages)
-   bound for a capture URL (:mod:`.urls`: ``LIGHTSPAN_CAPTURE_URLS``, loopback when unset, every
-   loopback spelling alike) ask vLLM for token ids and sampled-token logprobs; hosted APIs,
-   which reject unknown fields, are never touched;
+1. requests of a generation protocol (the table of :mod:`.protocols`: chat completions,
+   completions, Responses, Anthropic Messages; what differs between the client libraries:
+   :mod:`.clients`) bound for a capture URL (:mod:`.urls`: ``LIGHTSPAN_CAPTURE_URLS``, loopback
+   when unset, every loopback spelling alike) ask vLLM for token ids and sampled-token logprobs;
+   hosted APIs, which reject unknown fields, are never touched;
 2. the answer's prompt ids, completion ids (one list per choice, ``n > 1`` included) and logprobs
    are recorded as little-endian bytes (docs/architecture.md, "Attributes"), with the serving
    policy version (``LIGHTSPAN_MODEL_VERSION``; with several policies, ``LIGHTSPAN_POLICY_VERSIONS``
    maps the call's model name to its policy and version: :func:`.calls.served_policy`) and
-   ``lightspan.capture.status`` (``ok``, or why not, with ``lightspan.capture.reason``); the Responses API through ``enable_response_messages``
-   (:mod:`.capture_responses`); Anthropic Messages by making vLLM's own conversion to a chat
-   completion here, where the ids can be asked for, and converting the answer back
-   (:mod:`.anthropic_convert`): the ``anthropic`` client gets the message or events that
-   ``/v1/messages`` gives;
+   ``lightspan.capture.status`` (``ok``, or why not, with ``lightspan.capture.reason``); the
+   Responses API and Anthropic Messages by making vLLM's own conversion to a chat completion here,
+   where the ids can be asked for, and converting the answer back (:mod:`.protocols.responses`,
+   :mod:`.protocols.anthropic_messages`): the client gets the Response, message or events that
+   ``/v1/responses`` and ``/v1/messages`` give;
 3. the caller gets what it gets without lightspan: the ids and logprobs only lightspan asked for
    are set to ``null`` in the decoded JSON before the client builds its models, as vLLM answers a
    request without them. A caller that asks for them gets them: ``return_token_ids`` /
@@ -37,7 +38,7 @@ span an instrumentation opened around the call, so the attributes land on it (:m
 6. raw responses (``with_raw_response``, as LangChain's ``ChatOpenAI`` calls; ``client.post`` with
    the raw-response header, as LiteLLM calls) are parsed through their own cache, so the caller
    gets the same object; ``with_streaming_response`` streams (the OpenAI Agents SDK's) likewise;
-7. a captured call's JSON is decoded by lightspan (``capture.loads``: orjson) in a hook on the
+7. a captured call's JSON is decoded by lightspan (``protocols.base.loads``: orjson) in a hook on the
    client's JSON decoding (``httpx2.Response.json``, ``httpx.Response.json``), active only inside a
    captured call: the ids are read from the decoded dict before the client builds a model per
    token for them (bench/capture_overhead.py). The hook is a plain function: every response of
@@ -63,8 +64,9 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.trace import Status, StatusCode
 from wrapt import register_post_import_hook
 
-from lightspan.tracing import semconv, spans, spool, urls
+from lightspan.tracing import protocols, semconv, spans, spool, urls
 from lightspan.tracing.calls import Call, prepare
+from lightspan.tracing.clients import CLIENTS, Client
 from lightspan.tracing.protocols.base import loads
 from lightspan.tracing.protocols.chat import with_capture  # noqa: F401  (re-exported: the instrumentor's API)
 from lightspan.tracing.hooks import install_json_hooks, remove_json_hooks, wrap, unwrap_all
@@ -86,12 +88,12 @@ def should_capture(base_url: str, path: str, capture_urls=None, client: str = "o
     if capture_urls is None:
         capture_urls = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
     raw = capture_urls if isinstance(capture_urls, str) else ",".join(capture_urls)
-    return urls.api(path, client) is not None and urls.is_capture_url(urls.join(base_url, path), raw)
+    return protocols.of(path, client) is not None and urls.is_capture_url(urls.join(base_url, path), raw)
 
 
 def read(call: Call, raw):
     """Decode a captured call's JSON (a body, or one stream event) and read it into ``call``; returns
-    what the client gets (for a converted Anthropic answer: the Anthropic message)."""
+    what the client gets (for a converted answer: the Response or Anthropic message made of it)."""
     data = loads(raw)
     if type(data) is dict:
         try:
@@ -129,19 +131,6 @@ def _failed(call: Call, exc: BaseException) -> None:
         call.span.end()
 
 
-def _raw_types(library: str) -> tuple:
-    """(legacy raw response type or None, streaming response types) of a client library."""
-    if library == "anthropic":
-        from anthropic._response import APIResponse, AsyncAPIResponse
-        return None, (APIResponse, AsyncAPIResponse)
-    from openai._legacy_response import LegacyAPIResponse
-    from openai._response import APIResponse, AsyncAPIResponse
-    return LegacyAPIResponse, (APIResponse, AsyncAPIResponse)
-
-
-_RAW = {lib: functools.cache(functools.partial(_raw_types, lib)) for lib in ("openai", "anthropic")}
-
-
 def _parse(resp, call: Call):
     """(parse it?, parsed or None) for a raw response wrapper; ``parse()`` caches per target type, so
     parsing it here hands the caller the very same object (for a stream: the same Stream, tapped).
@@ -150,12 +139,12 @@ def _parse(resp, call: Call):
     header (LiteLLM) give openai's ``LegacyAPIResponse``: its body is read, parsing it is free. Of
     the newer ``APIResponse`` (``with_streaming_response``: the OpenAI Agents SDK's streams;
     anthropic's ``with_raw_response``) a stream is parsed: that builds the Stream without reading
-    it; so is a converted Anthropic call's body, which must become the Anthropic message on its way;
+    it; so is a converted call's body, which must become the caller's protocol's answer on its way;
     any other body is left to the caller."""
-    legacy, streaming = _RAW[call.library]()
-    if legacy is not None and isinstance(resp, legacy):
+    types = call.client.types()
+    if types.legacy_response is not None and isinstance(resp, types.legacy_response):
         return True
-    return (call.stream or call.converted) and isinstance(resp, streaming)
+    return (call.stream or call.converted) and isinstance(resp, types.responses)
 
 
 def _finish(resp, call: Call, parsed=None):
@@ -181,8 +170,8 @@ def _finish(resp, call: Call, parsed=None):
     return raw if raw is not None else resp
 
 
-def _sync_post(library: str, wrapped, instance, args, kwargs):
-    call, kwargs = prepare(library, instance, args, kwargs)
+def _sync_post(client: Client, wrapped, instance, args, kwargs):
+    call, kwargs = prepare(client, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
     args = call.args(args)
@@ -213,8 +202,8 @@ def _sync_post(library: str, wrapped, instance, args, kwargs):
     return _finish(resp, call, parsed)
 
 
-async def _async_post(library: str, wrapped, instance, args, kwargs):
-    call, kwargs = prepare(library, instance, args, kwargs)
+async def _async_post(client: Client, wrapped, instance, args, kwargs):
+    call, kwargs = prepare(client, instance, args, kwargs)
     if call is None:
         return await wrapped(*args, **kwargs)
     args = call.args(args)
@@ -249,12 +238,12 @@ async def _async_post(library: str, wrapped, instance, args, kwargs):
 _ACTIVE = {"on": False}
 
 
-def _wrap_library(library: str):
+def _wrap_library(client: Client):
     def hook(module) -> None:
         if not _ACTIVE["on"]:
             return
-        wrap(f"{library}._base_client", "SyncAPIClient.post", functools.partial(_sync_post, library))
-        wrap(f"{library}._base_client", "AsyncAPIClient.post", functools.partial(_async_post, library))
+        wrap(f"{client.name}._base_client", "SyncAPIClient.post", functools.partial(_sync_post, client))
+        wrap(f"{client.name}._base_client", "AsyncAPIClient.post", functools.partial(_async_post, client))
         install_json_hooks(_response_json_hook)
     return hook
 
@@ -282,8 +271,8 @@ class LightspanInstrumentor(BaseInstrumentor):
         attach()
         _ACTIVE["on"] = True
         register()
-        for library in ("openai", "anthropic"):
-            register_post_import_hook(_wrap_library(library), f"{library}._base_client")
+        for client in CLIENTS.values():
+            register_post_import_hook(_wrap_library(client), f"{client.name}._base_client")
 
     def _uninstrument(self, **kwargs):
         _ACTIVE["on"] = False

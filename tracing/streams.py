@@ -6,8 +6,9 @@ holds is the same one (isinstance checks, ``with`` blocks, ``.response`` and ``.
 untouched), and its events are those the client's decoder would give, parsed from the bytes by
 :class:`~lightspan.tracing.sse.SSEParser` (checked against openai's decoder in
 tests/tracing/test_sse.py). Each event's ``json()`` decodes its data with lightspan and feeds the
-call's capture (``read``, from the instrumentor). A converted Anthropic call's stream is vLLM's chat
-completion stream: its decoder hands the client the Anthropic events made of each chunk instead.
+call's capture (``read``, from the instrumentor). A converted call's stream (Responses, Anthropic
+Messages) is vLLM's chat completion stream: its decoder hands the client the events its protocol's
+capture makes of each chunk instead (``events``, ``end``).
 
 The capture is recorded when the stream's end is handed on (``[DONE]``, or the end of the bytes):
 every event before it has been decoded by then, and the OpenAI instrumentation ends its span only
@@ -22,6 +23,7 @@ import functools
 
 import orjson
 
+from lightspan.tracing.clients import Client
 from lightspan.tracing.protocols.chat import EMPTY_DELTA, only_for_capture
 from lightspan.tracing.sse import SSEParser
 
@@ -105,7 +107,7 @@ class CapturedDecoder:
 
 
 class ConvertedDecoder(CapturedDecoder):
-    """The decoder of a converted Anthropic call: vLLM's chat chunks in, Anthropic events out
+    """The decoder of a converted call: vLLM's chat chunks in, the caller's protocol's events out
     (``event_type``: :func:`converted_event_type`'s)."""
 
     def _make(self, name, data, id, retry):
@@ -128,19 +130,11 @@ class ConvertedDecoder(CapturedDecoder):
         return False
 
 
-def _server_sent_event(library: str) -> type:
-    if library == "anthropic":
-        from anthropic._streaming import ServerSentEvent
-    else:
-        from openai._streaming import ServerSentEvent
-    return ServerSentEvent
-
-
 @functools.lru_cache(maxsize=4)
-def event_type(library: str) -> type:
+def event_type(client: Client) -> type:
     """The client library's ``ServerSentEvent``, whose ``json()`` decodes with lightspan and feeds
     the call."""
-    class CapturedEvent(_server_sent_event(library)):
+    class CapturedEvent(client.types().sse_event):
         def __init__(self, call, read, event, data, id, retry):
             super().__init__(event=event, data=data, id=id, retry=retry)
             self._lightspan = (call, read)
@@ -155,10 +149,10 @@ def event_type(library: str) -> type:
 
 
 @functools.lru_cache(maxsize=4)
-def converted_event_type(library: str) -> type:
+def converted_event_type(client: Client) -> type:
     """The client library's ``ServerSentEvent`` for an event converted from a chat chunk: its
     ``json()`` is the converted event, its text is made when it is read."""
-    class ConvertedEvent(_server_sent_event(library)):
+    class ConvertedEvent(client.types().sse_event):
         def __init__(self, event, decoded):
             super().__init__(event=event)
             self._decoded = decoded
@@ -175,15 +169,6 @@ def converted_event_type(library: str) -> type:
     return ConvertedEvent
 
 
-@functools.lru_cache(maxsize=4)
-def _own_decoder(library: str) -> type:
-    if library == "anthropic":
-        from anthropic._streaming import SSEDecoder
-    else:
-        from openai._streaming import SSEDecoder
-    return SSEDecoder
-
-
 def tap(stream, call, read) -> bool:
     """Put a captured decoder on ``stream`` (an openai or anthropic ``Stream``); False when the
     object is not a stream of parsed events (``with_streaming_response`` before ``parse()``)."""
@@ -191,12 +176,12 @@ def tap(stream, call, read) -> bool:
     decoder = state.get("_decoder")
     # openai makes the events' generator in __init__ and it reads ``_decoder`` once iterated;
     # anthropic makes it, on a copy of the stream, at first use: tap before that
-    if decoder is None or (call.library == "openai") != ("_iterator" in state):
+    if decoder is None or call.client.eager_stream != ("_iterator" in state):
         return False
-    own = type(decoder) is _own_decoder(call.library)
+    own = type(decoder) is call.client.types().sse_decoder
     kind = ConvertedDecoder if call.converted else CapturedDecoder
     if call.converted and not own:
         return False   # a decoder of the client's own cannot be handed converted events
     events = converted_event_type if call.converted else event_type
-    stream._decoder = kind(decoder, call, read, events(call.library), own)
+    stream._decoder = kind(decoder, call, read, events(call.client), own)
     return True

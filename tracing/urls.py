@@ -1,4 +1,5 @@
-"""Which calls lightspan captures: the capture URLs, and the generation API a request path names.
+"""Which calls lightspan captures: the capture URLs (the protocol a request path names is the
+protocol table's: :func:`lightspan.tracing.protocols.of`).
 
 ``LIGHTSPAN_CAPTURE_URLS`` lists base URLs (comma-separated); a call is captured when its URL (the
 client's base URL joined with the request's path) lies under one of them. Unset, every loopback
@@ -23,16 +24,6 @@ import re
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
-
-CHAT = "chat"
-TEXT_COMPLETION = "text_completion"
-RESPONSES = "responses"
-MESSAGES = "messages"
-"""The generation APIs lightspan captures: OpenAI chat completions, completions and Responses, and
-Anthropic Messages (``messages`` is reached only through the ``anthropic`` client)."""
-
-OPERATION = {CHAT: "chat", TEXT_COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat"}
-"""``gen_ai.operation.name`` of each API's calls (the GenAI conventions call all three chat APIs ``chat``)."""
 
 _THIS_MACHINE = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
                            "::1", "0:0:0:0:0:0:0:1", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
@@ -96,24 +87,6 @@ def parse_capture_urls(raw: str) -> tuple | None:
             continue
         urls.append(url)
     return tuple(urls)
-
-
-def api(path: str, client: str = "openai") -> str | None:
-    """The generation API a request path of ``client`` (``openai`` or ``anthropic``) calls, else None.
-
-    openai: ``…/chat/completions``, ``…/completions``, ``…/responses`` (not ``/responses/{id}``);
-    anthropic: ``…/messages`` (not ``/messages/count_tokens`` or batches). The Assistants API's
-    ``/threads/{id}/messages`` is an openai path, hence the client."""
-    path = "/" + str(path).split("?", 1)[0].strip("/")
-    if client == "anthropic":
-        return MESSAGES if path.endswith("/messages") else None
-    if path.endswith("/chat/completions"):
-        return CHAT
-    if path.endswith("/completions"):
-        return TEXT_COMPLETION
-    if path.endswith("/responses"):
-        return RESPONSES
-    return None
 
 
 def join(base_url: str, path: str) -> str:

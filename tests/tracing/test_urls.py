@@ -1,10 +1,10 @@
-"""Which calls are captured: capture URLs compared as a user reads them, and the API a path names."""
+"""Which calls are captured: capture URLs compared as a user reads them, and the protocol a path names."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightspan.tracing import urls
+from lightspan.tracing import protocols, urls
 from lightspan.tracing.instrumentor import should_capture
 
 LOOPBACKS = ["http://localhost:8000/v1", "http://127.0.0.1:8000/v1", "http://[::1]:8000/v1",
@@ -35,16 +35,20 @@ def test_what_a_capture_url_covers():
     assert should_capture("http://a:1/v1", "/chat/completions", "http://:x, http://a:1/v1")
 
 
-def test_the_api_of_a_path():
-    assert urls.api("/chat/completions") == urls.CHAT
-    assert urls.api("/v1/completions?x=1") == urls.TEXT_COMPLETION
-    assert urls.api("/responses") == urls.RESPONSES
-    assert urls.api("/responses/resp_1") is None and urls.api("/responses/resp_1/cancel") is None
-    assert urls.api("/embeddings") is None
+def test_the_protocol_of_a_path():
+    def of(path, client="openai"):
+        protocol = protocols.of(path, client)
+        return protocol.name if protocol is not None else None
+
+    assert of("/chat/completions") == "chat"
+    assert of("/v1/completions?x=1") == "text_completion"
+    assert of("/responses") == "responses"
+    assert of("/responses/resp_1") is None and of("/responses/resp_1/cancel") is None
+    assert of("/embeddings") is None
     # Anthropic Messages only through the anthropic client: openai's /threads/{id}/messages is not one
-    assert urls.api("/v1/messages", "anthropic") == urls.MESSAGES
-    assert urls.api("/threads/t/messages") is None
-    assert urls.api("/v1/messages/count_tokens", "anthropic") is None
+    assert of("/v1/messages", "anthropic") == "messages"
+    assert of("/threads/t/messages") is None
+    assert of("/v1/messages/count_tokens", "anthropic") is None
     # the anthropic client's base URL has no /v1: the whole URL is matched
     assert should_capture("http://127.0.0.1:8000", "/v1/messages", "http://127.0.0.1:8000/v1", client="anthropic")
 
