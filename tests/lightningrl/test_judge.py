@@ -64,6 +64,16 @@ def stored(tmp_path):
         collector.stop()
 
 
+@pytest.fixture
+def judge_server(vllm_server, tiny_model):
+    """The suite's vLLM serving the tiny model's own weights: a test elsewhere (an example's training
+    step) may have left its trained weights there, and the judge's answers are read as the base's."""
+    from lightspan.trainer.sync import ReloadSync
+
+    ReloadSync(vllm_server.url).push(str(tiny_model), 0)
+    return vllm_server
+
+
 def _cfg(collector: Collector, rubric, vllm_server, **kw) -> judge.JudgeConfig:
     values = dict(rubric=str(rubric), data_dir=str(collector.data_dir), judge_url=f"{vllm_server.url}/v1",
                   judge_model=vllm_server.model_name, collector_url=f"http://127.0.0.1:{collector.api_port}",
@@ -77,7 +87,8 @@ def _judge_rewards(collector):
                                      "FROM rewards WHERE source = 'judge' ORDER BY rollout_key")
 
 
-def test_finished_unrewarded_rollouts_are_scored_once_with_their_provenance(stored, vllm_server):
+def test_finished_unrewarded_rollouts_are_scored_once_with_their_provenance(stored, judge_server):
+    vllm_server = judge_server
     collector, rubric = stored
     cfg = _cfg(collector, rubric, vllm_server)
     stats = judge.judge_once(cfg)
@@ -98,7 +109,8 @@ def test_finished_unrewarded_rollouts_are_scored_once_with_their_provenance(stor
     assert statuses["j-af"] == "failed" and all(statuses[k] == "rewarded" for k in UNRATED)
 
 
-def test_malformed_answers_are_retried_then_counted_never_guessed(stored, vllm_server):
+def test_malformed_answers_are_retried_then_counted_never_guessed(stored, judge_server):
+    vllm_server = judge_server
     collector, rubric = stored
     # without the schema the tiny model's answer is noise: every attempt is malformed
     stats = judge.judge_once(_cfg(collector, rubric, vllm_server, structured=False, attempts=2, max_tokens=24))
