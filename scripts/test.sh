@@ -13,4 +13,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 # bubblewrap (and prlimit) for examples/sandbox: Debian's packages where missing, its tests skip otherwise
 bash examples/sandbox/setup.sh
+# a Java runtime for examples/scienceworld's game engine: Debian's default-jre-headless where missing
+bash examples/scienceworld/setup.sh
 exec .venv/bin/python -m pytest "$@"
