@@ -15,21 +15,14 @@ from __future__ import annotations
 from lightspan.tracing import semconv
 from lightspan.tracing.messages import _append, _arguments, _text_of
 from lightspan.tracing.protocols.anthropic_convert import MessageStream, Unsupported, to_chat, to_error, to_message
-from lightspan.tracing.protocols.base import COMMON_FIELDS, Protocol, dumps, loads, temperature
+from lightspan.tracing.protocols.base import COMMON_FIELDS, OverChat, Protocol, dumps, loads, temperature
 from lightspan.tracing.protocols.chat import CHAT, ChatOutput, Capture, with_capture
 
 
-class AnthropicCapture:
+class AnthropicCapture(OverChat):
     def __init__(self, body: dict):
         self.body = body   # the caller's request, as JSON-ready data
-        self.unsupported: str | None = None
-        self.chat_body: dict | None = None
-        try:
-            self.chat_body = to_chat(body)
-        except Unsupported as e:
-            self.unsupported = str(e)
-        except (TypeError, AttributeError, KeyError) as e:   # malformed: the server refuses it, not lightspan
-            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
+        self.convert(body, to_chat, Unsupported)
         # the Anthropic answer has no field for ids or logprobs: nothing of the chat answer's is shown
         self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
         self.chat.temperature = temperature(body)
@@ -41,11 +34,6 @@ class AnthropicCapture:
     def for_request(cls, body: dict) -> "AnthropicCapture":
         return cls(body)
 
-    @property
-    def converted(self) -> bool:
-        """Whether the call goes to chat completions (else to ``/v1/messages``, as it is)."""
-        return self.chat_body is not None
-
     def request(self) -> dict:
         """The chat completions body to send, with the capture fields."""
         return with_capture(self.chat_body, CHAT)
@@ -56,34 +44,6 @@ class AnthropicCapture:
         self.unsupported, self.chat_body = why, None
         return self
 
-    # the chat capture's state, read by the instrumentor
-    @property
-    def fed(self) -> int:
-        return self.chat.fed
-
-    @property
-    def readable(self) -> bool:
-        return self.chat.readable
-
-    @readable.setter
-    def readable(self, value: bool) -> None:
-        self.chat.readable = value
-
-    @property
-    def temperature(self):
-        return self.chat.temperature
-
-    @property
-    def model(self):
-        """The model vLLM's chat answer names (the request's model: with several policies, its name)."""
-        return self.chat.model
-
-    def add(self, payload, *, hide: bool = False) -> None:
-        """An answer of ``/v1/messages`` itself (a request sent as it is): nothing to read there."""
-
-    def add_json(self, payload: dict, hide: bool = False) -> None:
-        """(As :meth:`add`.)"""
-
     def message(self, completion: dict) -> dict:
         """The Anthropic message of vLLM's chat completion (its ids read first)."""
         self.chat.add_json(completion)
@@ -93,15 +53,9 @@ class AnthropicCapture:
 
     def events(self, chunk: dict) -> list[tuple[str, dict]]:
         """The Anthropic events of one chat completion chunk (its ids read first)."""
-        choices = chunk.get("choices")
-        if type(choices) is list and len(choices) == 1 and self.stream.block == "text":
-            # the usual chunk, one text token in an open text block: read and converted in one pass
-            choice = choices[0]
-            delta = choice.get("delta") if type(choice) is dict else None
-            text = delta.get("content") if type(delta) is dict else None
-            if (text and type(text) is str and not delta.get("reasoning") and not delta.get("tool_calls")
-                    and choice.get("finish_reason") is None and not choice.get("index")
-                    and chunk.get("prompt_token_ids") is None and self.chat.add_token(choice)):
+        if self.stream.block == "text":   # the usual chunk, one text token in an open text block
+            text = self.chat.text_token(chunk)
+            if text is not None:
                 return self.stream.text(text)
         self.chat.add_json(chunk)
         out = self.stream.feed(chunk)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from lightspan.tracing import semconv
+
 REASONS = {
     "unparsed_response": "the answer was not a completion lightspan could read (a raw or streaming response "
                          "the caller read itself): read it with the client's parsed objects",
@@ -167,6 +169,70 @@ def temperature(body: dict) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+class OverChat:
+    """A capture of a call sent to vLLM as a chat completion (:class:`~.responses.ConvertedCapture`,
+    :class:`~.anthropic_messages.AnthropicCapture`): ``chat_body`` is the converted request (None
+    when the request does not convert: ``unsupported`` says why), ``chat`` the chat-completions
+    capture of vLLM's answer, whose state the transports read through this one."""
+
+    chat_body: dict | None = None
+    unsupported: str | None = None
+
+    def convert(self, body: dict, to_chat: Callable, unsupported: type) -> None:
+        """Set ``chat_body`` to ``to_chat(body)``, else ``unsupported`` to why not (``unsupported``:
+        the conversion's exception for what it does not reproduce; a malformed body is one too:
+        vLLM refuses it, not lightspan)."""
+        try:
+            self.chat_body = to_chat(body)
+        except unsupported as e:
+            self.unsupported = str(e)
+        except (TypeError, AttributeError, KeyError, IndexError) as e:
+            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
+
+    @property
+    def converted(self) -> bool:
+        """Whether the call goes to chat completions (else to its protocol's own path, as it is)."""
+        return self.chat_body is not None
+
+    @property
+    def fed(self) -> int:
+        return self.chat.fed
+
+    @property
+    def readable(self) -> bool:
+        return self.chat.readable
+
+    @readable.setter
+    def readable(self, value: bool) -> None:
+        self.chat.readable = value
+
+    @property
+    def temperature(self):
+        return self.chat.temperature
+
+    @property
+    def model(self):
+        """The model vLLM's chat answer names (the request's model: with several policies, its name)."""
+        return self.chat.model
+
+    def add(self, payload, *, hide: bool = False) -> None:
+        """(Nothing but chat completions reaches a converted capture: its ``message`` and ``events``
+        read them; an answer of the protocol's own path holds nothing to read.)"""
+
+    def add_json(self, payload: dict, hide: bool = False) -> None:
+        """(As :meth:`add`.)"""
+
+
+def sampling_attributes(attrs: dict, model_version: int | None, temperature: float | None) -> dict:
+    """``attrs`` with the serving policy's version and the request's temperature (the trainer tempers
+    its logits the same way to compare its logprobs with the recorded ones), those that are set."""
+    if model_version is not None:
+        attrs[semconv.MODEL_VERSION] = int(model_version)
+    if temperature is not None:
+        attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = temperature
+    return attrs
 
 
 # --- the gateway's framing ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ import json
 from lightspan.tracing import semconv
 from lightspan.tracing.messages import _arguments, _text_of
 from lightspan.tracing.protocols.base import (COMMON_FIELDS, REASONS, Protocol, _clear, _get, as_sent, dumps, loads,
-                                              openai_error, sse_data, temperature)
+                                              openai_error, sampling_attributes, sse_data, temperature)
 
 CHAT = "chat"
 TEXT_COMPLETION = "text_completion"
@@ -265,6 +265,22 @@ class Capture:
             _chat_logprobs(c, lp)
         return True
 
+    def text_token(self, chunk: dict) -> str | None:
+        """:meth:`add_token` of the usual chunk of a converted stream, one text token of choice 0 (no
+        reasoning, tool calls, finish reason or prompt ids): its text; None, reading nothing, for
+        any other (the caller then takes its general path)."""
+        choices = chunk.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        choice = choices[0]
+        delta = choice.get("delta") if type(choice) is dict else None
+        text = delta.get("content") if type(delta) is dict else None
+        if (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
+                and choice.get("finish_reason") is None and not choice.get("index")
+                and chunk.get("prompt_token_ids") is None and self.add_token(choice)):
+            return text
+        return None
+
     def status(self) -> str:
         if not self.parsed:
             return "unparsed_response"
@@ -294,12 +310,7 @@ class Capture:
             semconv.COMPLETION_LOGPROBS: tuple(semconv.encode_floats(c.logprobs) for c in ordered),
             semconv.CAPTURE_STATUS: "ok",
         }
-        if model_version is not None:
-            attrs[semconv.MODEL_VERSION] = int(model_version)
-        if self.temperature is not None:
-            # the trainer tempers its logits the same way to compare its logprobs with these
-            attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = self.temperature
-        return attrs
+        return sampling_attributes(attrs, model_version, self.temperature)
 
     def genai_attributes(self) -> dict:
         """The GenAI response attributes, for spans lightspan opened itself (no OpenAI instrumentation)."""

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from lightspan.tracing import semconv
 from lightspan.tracing.messages import _append, _arguments, _text_of
-from lightspan.tracing.protocols.base import (COMMON_FIELDS, NUMBER, Protocol, _get, _set, as_sent, dumps, loads,
-                                              no_output, openai_error, sse_data, temperature)
+from lightspan.tracing.protocols.base import (COMMON_FIELDS, NUMBER, OverChat, Protocol, _get, _set, as_sent, dumps,
+                                              loads, no_output, openai_error, sampling_attributes, sse_data,
+                                              temperature)
 from lightspan.tracing.protocols.chat import CHAT, Capture
 from lightspan.tracing.protocols.chat import with_capture as chat_with_capture
 from lightspan.tracing.protocols.responses_convert import Unsupported, to_chat, to_response
@@ -239,11 +240,7 @@ class ResponsesCapture:
         attrs[semconv.COMPLETION_TOKEN_IDS] = (semconv.encode_ids(self.completion),)
         if status == "ok":
             attrs[semconv.COMPLETION_LOGPROBS] = (semconv.encode_floats(self.logprobs),)
-        if model_version is not None:
-            attrs[semconv.MODEL_VERSION] = int(model_version)
-        if self.temperature is not None:
-            attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = self.temperature
-        return attrs
+        return sampling_attributes(attrs, model_version, self.temperature)
 
     def genai_attributes(self) -> dict:
         """The GenAI response attributes, for spans lightspan opened itself."""
@@ -259,7 +256,7 @@ class ResponsesCapture:
         return attrs
 
 
-class ConvertedCapture:
+class ConvertedCapture(OverChat):
     """A Responses call captured through vLLM's chat completions (:mod:`.responses_convert`).
 
     Holds the converted request and a chat-completions :class:`Capture` of vLLM's answer, which
@@ -269,24 +266,13 @@ class ConvertedCapture:
 
     def __init__(self, body: dict):
         self.body = body
-        self.unsupported: str | None = None
-        self.chat_body: dict | None = None
-        try:
-            self.chat_body = to_chat(body)
-        except Unsupported as e:
-            self.unsupported = str(e)
-        except (TypeError, AttributeError, KeyError, IndexError) as e:   # malformed: vLLM refuses it, not lightspan
-            self.unsupported = f"a malformed body ({type(e).__name__}: {e})"
+        self.convert(body, to_chat, Unsupported)
         # the Response has no field for the chat answer's ids or logprobs: nothing of them is shown
         self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
         self.chat.temperature = temperature(body)
         self.stream = ResponseStream(body) if body.get("stream") else None
         self.response: dict | None = None   # the Response the caller got (for the span's messages)
         self.done = False
-
-    @property
-    def converted(self) -> bool:
-        return self.chat_body is not None
 
     def request(self) -> dict:
         """The chat completions body to send, with the capture fields."""
@@ -300,35 +286,9 @@ class ConvertedCapture:
         return cap
 
     @property
-    def fed(self) -> int:
-        return self.chat.fed
-
-    @property
-    def readable(self) -> bool:
-        return self.chat.readable
-
-    @readable.setter
-    def readable(self, value: bool) -> None:
-        self.chat.readable = value
-
-    @property
-    def temperature(self):
-        return self.chat.temperature
-
-    @property
-    def model(self):
-        return self.chat.model
-
-    @property
     def finish_reason(self) -> str | None:
         choice = self.chat.choices.get(0)
         return choice.finish_reason if choice is not None else None
-
-    def add(self, payload, *, hide: bool = False) -> None:
-        """(Nothing but chat completions reaches a converted capture: see :meth:`message`.)"""
-
-    def add_json(self, payload: dict, hide: bool = False) -> None:
-        """(As :meth:`add`.)"""
 
     def message(self, completion: dict) -> dict:
         """The Response of vLLM's chat completion (its ids read first)."""
@@ -338,16 +298,9 @@ class ConvertedCapture:
 
     def events(self, chunk: dict) -> list[tuple[str, dict]]:
         """The Responses events (name, data) of one chat completion chunk (its ids read first)."""
-        choices = chunk.get("choices")
-        if type(choices) is list and len(choices) == 1 and self.stream.state == "content":
-            # the usual chunk, one text token in an open message: read and converted in one pass
-            choice = choices[0]
-            delta = choice.get("delta") if type(choice) is dict else None
-            text = delta.get("content") if type(delta) is dict else None
-            if (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
-                    and choice.get("finish_reason") is None and not choice.get("index")
-                    and chunk.get("prompt_token_ids") is None and not chunk.get("usage")
-                    and self.chat.add_token(choice)):
+        if self.stream.state == "content" and not chunk.get("usage"):   # one text token in an open message
+            text = self.chat.text_token(chunk)
+            if text is not None:
                 return [(e["type"], e) for e in self.stream.text_delta(text)]
         self.chat.add_json(chunk)
         return [(e["type"], e) for e in self.stream.feed(chunk)]
