@@ -40,7 +40,7 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip
 fi
 echo "setup: installing lightspan into .venv"
-.venv/bin/pip install -q -e ".[full,test,examples,search-r1,scienceworld]"
+.venv/bin/pip install -q -e ".[full,test,examples,search-r1,scienceworld,coding]"
 # the OTel Python SDK's own OTLP JSON file exporter, which tests/collector/test_otlp_files.py imports
 # from: it pins opentelemetry-exporter-otlp-common 0.66b1 beside the 0.66b2 the OTLP exporters
 # need, so it lives in a folder of its own that only the test's writer process puts on its path
