@@ -25,7 +25,10 @@ group size and sampling temperature (0.7), and the same CPU budget.
 Evaluation is not charged to either budget: its CPU time is measured and left out on both sides.
 A side starts no new step once its budget is spent, then evaluates a last time. The sides run one
 after the other, seed by seed (lightspan, TRL, lightspan, ...), so they never share the cores.
-Printed: per seed and side the held-out solved count against CPU-minutes; per side the mean gain
+Printed: per seed and side the held-out solved count against CPU-minutes and the policy's entropy at
+the last training step (nats per token over the sampled completion tokens, at the sampling
+temperature: lightspan's train_steps.entropy, TRL's logged ``entropy``), a run that ends below
+``ENTROPY_FLOOR`` (0.2) flagged with the warning the demo's trainer logs; per side the mean gain
 (last - first evaluation) per CPU-minute over the seeds (and its range); the ratio lightspan / TRL.
 Everything also goes to ``--out`` as JSON.
 """
@@ -61,8 +64,11 @@ def lightspan_side(args) -> list[dict]:
                                   val_every=args.eval_every, max_model_len=_max_len(args.model),
                                   grpc_port=0, http_port=0, api_port=0, vllm_port=0)
         results = loop(exp, section="demo")
-    return [{"step": v["step"], "cpu_s": v["cpu_seconds"], "wall_s": v["wall_seconds"],
-             "solved": round(v["solved"] * v["rollouts"]), "of": v["rollouts"]} for v in results["val"]]
+    curve = [{"step": v["step"], "cpu_s": v["cpu_seconds"], "wall_s": v["wall_seconds"],
+              "solved": round(v["solved"] * v["rollouts"]), "of": v["rollouts"]} for v in results["val"]]
+    # the trainer's mean per-token entropy over the sampled completion tokens of its first and last step
+    trainer = results["trainer"]
+    return {"curve": curve, "entropy": {"first": trainer.get("entropy_first"), "last": trainer.get("entropy_last")}}
 
 
 def _max_len(model: str) -> int:
@@ -86,9 +92,8 @@ def _own_cpu() -> float:
 def trl_side(args) -> list[dict]:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from lightspan.agents.math_agent import INSTRUCTION, score
     from lightspan.demo import make_tasks
@@ -147,10 +152,29 @@ def trl_side(args) -> list[dict]:
             if spent or state.global_step % args.eval_every == 0:
                 evaluate(model, state.global_step)
 
+    config, lora = trl_config(args, Path(args.work))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[Budget()])
+    trainer.train()
+    if curve[-1]["step"] != trainer.state.global_step:     # max_steps reached before the budget
+        evaluate(trainer.model, trainer.state.global_step)
+    # TRL's own entropy metric: the same quantity as lightspan's train_steps.entropy (mean over the
+    # step's completion tokens, logits divided by the sampling temperature)
+    entropies = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
+    return {"curve": curve, "entropy": {"first": entropies[0] if entropies else None,
+                                        "last": entropies[-1] if entropies else None}}
+
+
+def trl_config(args, work: Path):
+    """TRL's side's ``GRPOConfig`` and LoRA config (also bench/grpo_step_compare.py's): one optimizer step
+    per generation batch of ``tasks_per_step`` x ``samples`` completions, in micro-batches of up to 8."""
+    from peft import LoraConfig
+    from trl import GRPOConfig
+
     completions = args.tasks_per_step * args.samples
     micro = next(m for m in (8, 4, 2, 1) if completions % m == 0)
     config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl"), use_cpu=True, bf16=False, seed=args.seed,
+        output_dir=str(work / "trl"), use_cpu=True, bf16=False, seed=args.seed,
         learning_rate=args.trl_lr, lr_scheduler_type="constant", num_generations=args.samples,
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         max_completion_length=args.max_tokens, temperature=0.7, beta=0.0, loss_type=args.loss_type,
@@ -159,15 +183,51 @@ def trl_side(args) -> list[dict]:
         gradient_checkpointing=False)   # TRL's default recomputes activations: memory is no concern here
     lora = LoraConfig(r=args.trl_lora_r, lora_alpha=2 * args.trl_lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if args.trl_lora_r else None
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora, callbacks=[Budget()])
-    trainer.train()
-    if curve[-1]["step"] != trainer.state.global_step:     # max_steps reached before the budget
-        evaluate(trainer.model, trainer.state.global_step)
-    return curve
+    return config, lora
+
+
+def lightspan_trainer_config(args, model_dir: str, work: Path):
+    """The ``TrainerConfig`` lightspan's side trains with: what the demo's preset hands ``lightspan train``
+    (lightspan/experiment.py's trainer command line), the trainer's defaults otherwise."""
+    from lightspan import demo
+    from lightspan.trainer.config import TrainerConfig
+
+    exp = demo.preset(demo.DemoConfig(seed=args.seed, steps=1, tasks_per_step=args.tasks_per_step,
+                                      samples=args.samples, val_tasks=1, model=model_dir), work)
+    return TrainerConfig(model=model_dir, data_dir=str(work / "lightspan-trainer"), seed=exp.seed,
+                         learning_rate=exp.learning_rate, loss_type=exp.loss_type, beta=exp.beta,
+                         max_staleness=exp.max_staleness, batch_size=0, lora_r=exp.lora_r,
+                         lora_alpha=exp.lora_alpha, sync="none")
+
+
+def add_shared_options(parser: argparse.ArgumentParser) -> None:
+    """The options both sides' settings are made of (also bench/grpo_step_compare.py's)."""
+    parser.add_argument("--tasks-per-step", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8, help="the group size: completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per completion (the agent's 24)")
+    parser.add_argument("--loss-type", default="grpo")
+    parser.add_argument("--trl-lr", type=float, default=3e-4)
+    parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
 
 
 # --- the comparison -------------------------------------------------------------------------------
+
+ENTROPY_FLOOR = 0.2
+"""nats per token: a run whose policy ends below this has collapsed (the issue's bound; the demo's
+entropy_floor, lightspan/demo.py)."""
+
+
+def entropy_flag(entropy: float | None, floor: float = ENTROPY_FLOOR) -> str | None:
+    """The flag of a run whose final policy entropy (nats per token) fell below ``floor``: the warning
+    the demo's trainer logs for such a step (trainer/metrics.py's ``entropy_warning``); a run that
+    recorded no entropy is flagged too, never passed silently. None: the run kept its entropy."""
+    from lightspan.trainer.metrics import entropy_warning
+
+    if entropy is None:
+        return "no policy entropy recorded: collapse cannot be ruled out"
+    warning = entropy_warning(entropy, floor)
+    return None if warning is None else f"ENTROPY COLLAPSE: {warning}"
+
 
 def gain_per_cpu_minute(curve: list[dict]) -> float:
     first, last = curve[0], curve[-1]
@@ -194,14 +254,9 @@ def main() -> None:
     parser.add_argument("--cpu-budget-s", type=float, default=1800.0, help="CPU seconds each side may train for")
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
     parser.add_argument("--max-steps", type=int, default=200, help="a bound on steps beside the budget")
-    parser.add_argument("--tasks-per-step", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=8, help="the group size: completions per prompt")
     parser.add_argument("--val-tasks", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per completion (the agent's 24)")
     parser.add_argument("--model", default="", help="model directory (default: lightspan model smollm2's)")
-    parser.add_argument("--loss-type", default="grpo")
-    parser.add_argument("--trl-lr", type=float, default=3e-4)
-    parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
+    add_shared_options(parser)
     parser.add_argument("--trl-threads", type=int, default=2)
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
@@ -213,11 +268,12 @@ def main() -> None:
     if args.side:                                       # one side of one seed, in its own process
         import logging
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        curve = lightspan_side(args) if args.side == "lightspan" else trl_side(args)
-        sys.stdout.write(json.dumps(curve) + "\n")
+        result = lightspan_side(args) if args.side == "lightspan" else trl_side(args)
+        sys.stdout.write(json.dumps(result) + "\n")
         return
 
     runs: dict = {side: {} for side in args.sides.split(",")}
+    entropy: dict = {}          # side -> seed -> first/last entropy (nats/token), the floor, the flag
     load = [os.getloadavg()[0]]
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side in runs:
@@ -225,10 +281,16 @@ def main() -> None:
                 argv = [a for a in sys.argv[1:]]
                 out = subprocess.run([sys.executable, __file__, *argv, "--side", side, "--seed", str(seed),
                                       "--work", work], check=True, stdout=subprocess.PIPE, text=True).stdout
-            runs[side][seed] = json.loads(out.strip().splitlines()[-1])
-            curve = runs[side][seed]
+            result = json.loads(out.strip().splitlines()[-1])
+            runs[side][seed] = curve = result["curve"]
+            last = result["entropy"]["last"]
+            flag = entropy_flag(last)
+            entropy.setdefault(side, {})[seed] = {**result["entropy"], "floor": ENTROPY_FLOOR, "flag": flag}
             print(f"seed {seed} {side:>9}: " + "  ".join(f"{p['solved']}/{p['of']} @ {p['cpu_s'] / 60:.1f}"
-                                                        for p in curve) + "   (solved @ CPU-min)", flush=True)
+                                                        for p in curve) + "   (solved @ CPU-min)"
+                  + ("" if last is None else f"; final entropy {last:.2f} nats/token"), flush=True)
+            if flag:
+                print(f"seed {seed} {side:>9}: {flag}", flush=True)
     load.append(os.getloadavg()[0])
     summary = summarise(runs)
     for side in SIDES:
@@ -241,7 +303,7 @@ def main() -> None:
     else:
         print("ratio: n/a (TRL gained nothing, or a side was not run)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "load_1m": load,
+        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "entropy": entropy, "load_1m": load,
                                               "argv": sys.argv[1:]}, indent=1) + "\n")
 
 
