@@ -32,9 +32,31 @@ def empty_stats() -> dict:
              "transitions/return_mean": nan, "transitions/advantage_abs_mean": nan,
              "transitions/nonzero_advantage": 0, "transitions/zero_std_groups": 0,
              "transitions/group_size_mean": nan, "transitions/completion_tokens": 0,
-             "transitions/masked_tokens": 0}
+             "transitions/masked_tokens": 0, "transitions/rows_per_rollout_mean": nan,
+             "transitions/rows_per_rollout_max": 0, "transitions/merge_rate": nan,
+             "transitions/dropped_calls/not_selected": 0}
     stats.update({f"transitions/prefix_mismatch/{kind}": 0 for kind in MISMATCH_KINDS})
+    stats.update({f"transitions/outcomes/{o}": 0 for o in ROW_OUTCOMES})
     return stats
+
+
+ROW_OUTCOMES = ("ok", "failed", "masked")
+"""The ``outcome`` of an emitted rollout's rows (config.TRAIN_OUTCOMES less ``dropped``, plus ``ok``)."""
+
+
+def last_k(rollout: np.ndarray, keep: np.ndarray, k: int) -> np.ndarray:
+    """``keep`` (bool per call, calls sorted by ``rollout``) with only each rollout's last ``k`` kept
+    calls left true; k = 0 leaves it as it is."""
+    keep = np.asarray(keep, dtype=bool)
+    if k <= 0:
+        return keep
+    idx = np.flatnonzero(keep)
+    r = rollout[idx]
+    within = np.arange(len(idx)) - np.searchsorted(r, r, side="left")     # 0 for a rollout's first kept
+    count = np.bincount(r, minlength=int(rollout.max(initial=-1)) + 1)
+    out = np.zeros_like(keep)
+    out[idx[count[r] - within <= k]] = True
+    return out
 
 
 def final_rewards(reward: np.ndarray, per_call: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -83,19 +105,24 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
     advantage = ESTIMATORS[config.advantage](ret, group_of, epsilon=config.epsilon,
                                              credit=credit, rollout_index=call_ridx)
 
-    emit = calls.column("emit").to_numpy(zero_copy_only=False)
+    trainable = calls.column("emit").to_numpy(zero_copy_only=False)
+    # turn selection: unselected calls keep their place in the credit above, but are not emitted
+    emit = last_k(call_ridx, trainable & calls.column("selected").to_numpy(zero_copy_only=False), config.turn_last_k)
     rows = np.flatnonzero(emit)
     kept_ridx = call_ridx[rows]
     num_calls = np.bincount(kept_ridx, minlength=num_rollouts)
     call_index = np.arange(len(rows)) - np.searchsorted(kept_ridx, kept_ridx, side="left")
     version = calls.column("model_version").cast(pa.float64()).to_numpy(zero_copy_only=False)[rows]
 
-    first, lists, seq_version, masked = OUTPUTS[config.output](calls, tokens, rows, kept_ridx, version, stats)
+    first, lists, seq_version, masked, (segment, cause) = OUTPUTS[config.output](
+        calls, tokens, rows, kept_ridx, version, stats)
     prompt, completion, logprobs, mask = lists
 
     out = calls.take(pa.array(rows[first]))
     n = len(first)
     seq_ridx = kept_ridx[first]
+    rollout_rows = np.bincount(seq_ridx, minlength=num_rollouts)
+    outcome = groups.column("outcome").to_numpy(zero_copy_only=False).astype(str)
     columns = {
         "transition_id": out.column("transition_id"),
         "rollout_id": out.column("rollout_key"),
@@ -118,6 +145,11 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
         "created_unix_nano": pa.array(np.full(n, now, dtype=np.int64), pa.int64()),
         "completion_mask": mask,
         "policy": pa.array([policy] * n, pa.string()),
+        "segment": segment,
+        "segment_cause": cause,
+        "rollout_rows": pa.array(rollout_rows[seq_ridx], pa.int32()),
+        "outcome": pa.array(outcome[seq_ridx], pa.string()),
+        "loss_weight": pa.array(np.where(outcome[seq_ridx] == "masked", 0.0, 1.0), pa.float64()),
     }
     table = pa.table({f.name: columns[f.name].cast(f.type) for f in store.TRANSITION_SCHEMA},
                      schema=store.TRANSITION_SCHEMA)
@@ -140,6 +172,11 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
         "transitions/group_size_mean": float(sizes.mean()),
         "transitions/completion_tokens": int(pc.sum(pc.list_value_length(completion)).as_py() or 0) - masked,
         "transitions/masked_tokens": masked,
+        "transitions/rows_per_rollout_mean": n / num_rollouts,
+        "transitions/rows_per_rollout_max": int(rollout_rows.max(initial=0)),
+        "transitions/merge_rate": float(np.mean(rollout_rows == 1)),
+        "transitions/dropped_calls/not_selected": int(trainable.sum() - len(rows)),
+        **{f"transitions/outcomes/{o}": int(np.sum(outcome == o)) for o in ROW_OUTCOMES},
     })
     return table, stats
 
@@ -149,7 +186,8 @@ def _per_call(calls, tokens: Tokens, rows, kept_ridx, version, stats):
     hpos = _hpos(calls, rows)
     first = np.argsort(hpos, kind="stable")
     lists = [tokens.take(c, hpos[first]) for c in ("prompt_token_ids", "completion_token_ids", "completion_logprobs")]
-    return first, lists + [pa.nulls(len(rows), pa.list_(pa.int8()))], version[first], 0
+    none = (pa.nulls(len(rows), pa.int32()), pa.nulls(len(rows), pa.string()))
+    return first, lists + [pa.nulls(len(rows), pa.list_(pa.int8()))], version[first], 0, none
 
 
 def _per_rollout(calls, tokens: Tokens, rows, kept_ridx, version, stats):
@@ -167,12 +205,14 @@ def _per_rollout(calls, tokens: Tokens, rows, kept_ridx, version, stats):
         pa.ListArray.from_arrays(offsets, pa.array(values)) for values in (m.tokens, m.logprobs, m.mask)]
     # the oldest policy version among a sequence's calls (NaN, i.e. unknown, if any is unknown)
     seq_version = np.minimum.reduceat(version[order], m.first) if len(first) else version[:0]
-    return first, lists, seq_version, len(m.mask) - int(m.mask.sum())
+    # each row's segment of its rollout and agent, and the prefix mismatch that started it
+    cause = pa.array(np.asarray(MISMATCH_KINDS + (None,), dtype=object)[m.cause], pa.string())
+    return first, lists, seq_version, len(m.mask) - int(m.mask.sum()), (pa.array(m.segment, pa.int32()), cause)
 
 
 OUTPUTS = {"per_call": _per_call, "per_rollout": _per_rollout}
 """The output modes (config ``output``): (calls, tokens, rows, ...) -> (first call of each row, the
-four list columns, model version, masked tokens)."""
+four list columns, model version, masked tokens, (segment, segment_cause) columns)."""
 
 
 def _hpos(calls: pa.Table, rows: np.ndarray) -> np.ndarray:

@@ -19,15 +19,18 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    ``split`` (not ``config.split``; a rollout without one is ``train``), ``duplicate`` (built
    before, and spans of it were received after that build — a late reward or a re-sent batch
    that is ignored), ``incomplete`` (no ``lightspan.runner`` end span and a span that ended
-   within ``grace_s``; reconsidered next build), ``timeout`` / ``failed`` (the runner's outcome;
-   a runner span without the outcome attribute is failed iff its status is ERROR; a
-   ``lightspan.rollout`` root span with status ERROR is also failed), ``time_window`` (started
+   within ``grace_s``; reconsidered next build), ``failed`` / ``timeout`` / ``infra`` when
+   ``outcomes`` drops that cause (the runner's outcome; a runner span without the outcome
+   attribute is failed iff its status is ERROR; a ``lightspan.rollout`` root span with status
+   ERROR is also failed; by default only ``infra`` is dropped, and the agent's failures train
+   as ``failed`` with their real reward, or ``masked``: in the baseline, zero loss), ``time_window`` (started
    before ``since`` or at/after ``until``), ``no_token_ids`` (no LLM call at all),
    ``agent_mismatch`` (no call of an agent matching ``agent_match``), ``no_token_ids`` (no
    matching call with token ids), ``other_policy`` (every such call was served by another named
    policy, step 7), ``model_version`` (a matching call with token ids served by a
    version outside [min_model_version, max_model_version]), ``truncated`` (``drop_truncated`` and
-   every such call stopped at the length limit), ``no_reward`` (no finite reward),
+   every such call stopped at the length limit), ``not_selected`` (no such call passes
+   ``turn_select_sql``), ``no_reward`` (no finite reward: a failed rollout without one too),
    ``small_group`` (fewer than ``min_group_size`` rollouts of its task left in this build).
 3. An LLM call is a span with token ids or a GenAI operation name (as the ``llm_calls`` view).
    Nested LLM call spans (two instrumentations of one request) collapse into one: the inner
@@ -48,16 +51,21 @@ assignment (:mod:`.assignment`); this module runs a build and writes it. One bui
    Rewards are matched to them (``credit.rewards_per_call``), the credit policy gives one
    credit per call, the estimator gives per-call advantages against the group's rollout
    returns (``identical``: the final reward; ``discounted``: G_0). Calls without token ids
-   (missing prompt or completion ids, or logprobs not one per completion token) and, with
-   ``drop_truncated``, truncated calls keep their place in the credit computation but are
-   not emitted.
+   (missing prompt or completion ids, or logprobs not one per completion token), with
+   ``drop_truncated`` truncated calls, and calls that turn selection leaves out (not passing
+   ``turn_select_sql``, or before a rollout's last ``turn_last_k`` trainable calls) keep their
+   place in the credit computation but are not emitted.
 6. Output ``per_call``: one row per emitted call. ``per_rollout``: the emitted calls of one
    rollout and agent merged into sequences (:mod:`.sequences`); a row carries its first
    call's id, call index, credit and advantage — under ``identical`` that is the rollout's
    advantage; under ``discounted`` the return-to-go from the sequence's first call (a
    sequence is credited with every reward from its start on, none from before it), which is
    G_0 for a sequence that starts at the first call — and the oldest model version of its
-   calls (staleness is bounded by the oldest policy that wrote it).
+   calls (staleness is bounded by the oldest policy that wrote it). A prefix mismatch starts a
+   new *segment* of the rollout: its own row, credited as its first call is (credit flows across
+   segments), with ``segment`` and ``segment_cause`` (the mismatch kind). Every row carries
+   ``rollout_rows`` (its rollout's rows in this build, for a loss normalised per rollout),
+   ``outcome`` (ok, failed, masked) and ``loss_weight`` (0 for masked).
 
 7. Several policies (``policies``, lightspan/store/policies.py): steps 2-6 run once per policy
    over the spans step 1 read (token lists decoded once), the policy's owned agents as the
@@ -90,11 +98,14 @@ Metrics (one build):
 - ``transitions/truncated_calls``: emitted rollouts' matching calls with token ids that stopped
   at the length limit, dropped or not.
 - ``transitions/prefix_mismatch/<kind>``: ``per_rollout`` calls that could not extend their
-  sequence, by kind (``sequences.classify_mismatch``): ``chat_template``, ``retokenization``,
-  ``other``.
+  sequence, by kind (``sequences.classify_mismatch``): ``compaction``, ``chat_template``,
+  ``retokenization``, ``tool_text``.
+- ``transitions/rows_per_rollout_mean``, ``/rows_per_rollout_max``: rows per emitted rollout;
+  ``/merge_rate``: the share of emitted rollouts written as one row.
+- ``transitions/outcomes/<ok|failed|masked>``: emitted rollouts by outcome.
 - ``transitions/dropped_rollouts/<reason>``: rollouts not emitted, by first reason (above).
 - ``transitions/dropped_calls/duplicate``, ``/agent_mismatch``, ``/no_token_ids``,
-  ``/other_policy``, ``/truncated``: LLM call spans of *emitted* rollouts that are not trained;
+  ``/other_policy``, ``/truncated``, ``/not_selected``: LLM call spans of *emitted* rollouts that are not trained;
   with ``/calls`` they add up to all their LLM call spans.
 - With policies, each policy's metrics (all of the above but ``spans_read`` and
   ``duplicate_spans``) are ``transitions/policies/<name>/...``; the top-level ones add the
@@ -198,7 +209,9 @@ def _pass_metrics(found: selection.Found, stats: dict) -> dict:
 _SHARED = ("transitions/spans_read", "transitions/duplicate_spans")   # step 1: one read for every pass
 _WEIGHTED = {"transitions/reward_mean": "transitions/rollouts", "transitions/return_mean": "transitions/rollouts",
              "transitions/advantage_abs_mean": "transitions/sequences",
-             "transitions/group_size_mean": "transitions/groups"}
+             "transitions/group_size_mean": "transitions/groups",
+             "transitions/rows_per_rollout_mean": "transitions/rollouts", "transitions/merge_rate": "transitions/rollouts"}
+_MAX = ("transitions/token_files_read", "transitions/rows_per_rollout_max")
 
 
 def combined(by_policy: dict[str, dict], *, unowned: int) -> dict:
@@ -212,7 +225,7 @@ def combined(by_policy: dict[str, dict], *, unowned: int) -> dict:
         values = [m[key] for m in by_policy.values()]
         if key in _SHARED:
             out[key] = value
-        elif key == "transitions/token_files_read":
+        elif key in _MAX:
             out[key] = max(values)
         elif key in _WEIGHTED:
             out[key] = _mean(values, [m[_WEIGHTED[key]] for m in by_policy.values()])

@@ -22,6 +22,48 @@ from .credit import POLICIES
 
 SECTION = "transitions"
 OUTPUTS = ("per_call", "per_rollout")
+CAUSES = ("failed", "timeout", "infra")
+"""Why a rollout did not end ``ok``: the runner's outcome (``lightspan.rollout.outcome``; a runner span
+without it is ``failed`` iff its status is ERROR, as is a ``lightspan.rollout`` root span with status ERROR)."""
+TRAIN_OUTCOMES = ("failed", "masked", "dropped")
+"""What training does with such a rollout: ``failed`` trains it with its real reward (an agent's
+failure is a failure, and no reward at all drops it as ``no_reward``: never a silent 0), ``masked``
+keeps its reward in its group's baseline and gives its rows zero loss (loss_weight 0), ``dropped``
+leaves it out and counts it (transitions/dropped_rollouts/<cause>)."""
+DEFAULT_OUTCOMES = "failed=failed,timeout=failed,infra=dropped"
+
+
+def parse_outcomes(text: str) -> dict[str, str]:
+    """``'cause=outcome,...'`` as {cause: outcome} for every cause in :data:`CAUSES` (unnamed ones keep
+    :data:`DEFAULT_OUTCOMES`'); ValueError naming the bad part."""
+    out = dict(part.split("=") for part in DEFAULT_OUTCOMES.split(","))
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        cause, sep, outcome = (x.strip() for x in part.partition("="))
+        if not sep or cause not in CAUSES or outcome not in TRAIN_OUTCOMES:
+            raise ValueError(part)
+        out[cause] = outcome
+    return out
+
+
+def check_turn_predicate(predicate: str) -> None:
+    """Run ``predicate`` as a WHERE clause over an empty table with the ``llm_calls`` view's columns
+    (the spans' plus ``rollout_key``); duckdb.Error if it is not a boolean expression over them."""
+    import duckdb
+    import pyarrow as pa
+
+    from lightspan.store.schema import SPAN_SCHEMA
+
+    if ";" in predicate:
+        raise duckdb.ParserException("';': one boolean expression, not statements")
+    con = duckdb.connect()
+    try:
+        empty = SPAN_SCHEMA.append(pa.field("rollout_key", pa.string())).empty_table()
+        con.register("llm_calls", empty)
+        con.execute(f"SELECT ({predicate})::BOOLEAN FROM llm_calls").fetchall()
+    finally:
+        con.close()
 
 
 def parse_time(value: str) -> int | None:
@@ -71,7 +113,8 @@ class TransitionsConfig:
         "sequence when its prompt starts with call k's prompt + completion; the tokens the model "
         "did not produce (tool outputs, user turns, template tokens) get completion_mask 0. A prompt "
         "that does not extend the sequence starts a new one and is counted by kind "
-        "(transitions/prefix_mismatch/<chat_template|retokenization|other>). A sequence's advantage "
+        "(transitions/prefix_mismatch/<compaction|chat_template|retokenization|tool_text>): a new segment "
+        "of the same rollout (columns segment, segment_cause). A sequence's advantage "
         "is its first call's: the rollout's under 'identical', the return-to-go from the sequence's "
         "start under 'discounted'.",
         choices=OUTPUTS)
@@ -100,6 +143,26 @@ class TransitionsConfig:
         True, "Keep a watermark in data_dir/lightningrl/state.json so a build reads only the rollouts "
         "with spans received since the last build (plus the still incomplete or too small ones). "
         "false: read every span each build. Either way a rollout is never emitted twice.")
+    outcomes: str = option(
+        DEFAULT_OUTCOMES,
+        "What training does with a rollout that did not end ok, per cause: comma-separated cause=outcome. "
+        "Causes: 'failed' (the agent crashed, exited non-zero or made an invalid action), 'timeout' (it "
+        "ran out of time), 'infra' (a service it needs was down, it could not start, or exited 75; not the "
+        "agent's fault). Outcomes: 'failed' (trained with its real reward; with no reward at all it is "
+        "dropped as no_reward, never a reward of 0), 'masked' (its reward counts in its group's baseline, "
+        "its rows are written with loss_weight 0), 'dropped' (left out, counted in "
+        "transitions/dropped_rollouts/<cause>). Rows carry the outcome (column outcome). Causes not named "
+        "keep the default.")
+    turn_last_k: int = option(
+        0, "Train only the last k of a rollout's trainable calls (0: all). The others keep their place "
+        "in the credit assignment and, with per_rollout, become context (mask 0); counted in "
+        "transitions/dropped_calls/not_selected.")
+    turn_select_sql: str = option(
+        "", "Train only the calls for which this SQL predicate over the llm_calls view's columns is true "
+        "(e.g. \"output_tokens > 5\" or \"NOT list_contains(finish_reasons, 'tool_calls')\"); empty: every "
+        "call. Unselected calls keep their place in the credit assignment and are counted in "
+        "transitions/dropped_calls/not_selected; a rollout left without a selected call is dropped as "
+        "not_selected. Applied before turn_last_k.")
     watermark_lag_s: float = option(
         300.0, "Spans received within this many seconds before a build are read again by the next "
         "one, so spans still on their way from the collector's queue to Parquet are not missed.")
@@ -152,6 +215,24 @@ class TransitionsConfig:
                 and self.min_model_version > self.max_model_version:
             bad("max_model_version", f"{self.max_model_version} is below min_model_version={self.min_model_version}",
                 "give max_model_version >= min_model_version")
+        try:
+            object.__setattr__(self, "_outcomes", parse_outcomes(self.outcomes))
+        except ValueError as err:
+            bad("outcomes", f"{self.outcomes!r}: {str(err)!r} is not cause=outcome",
+                f"give comma-separated cause=outcome with cause one of {', '.join(CAUSES)} and outcome one of "
+                f"{', '.join(TRAIN_OUTCOMES)}, e.g. {DEFAULT_OUTCOMES!r}")
+        if not (isinstance(self.turn_last_k, int) and not isinstance(self.turn_last_k, bool) and self.turn_last_k >= 0):
+            bad("turn_last_k", f"{self.turn_last_k!r} is not an integer >= 0",
+                "give how many of a rollout's last calls to train, or 0 to train them all")
+        if self.turn_select_sql:
+            import duckdb
+            try:
+                check_turn_predicate(self.turn_select_sql)
+            except duckdb.Error as err:
+                bad("turn_select_sql", f"{self.turn_select_sql!r} is not a predicate over llm_calls "
+                    f"({str(err).splitlines()[0]})",
+                    "give one SQL boolean expression over the llm_calls view's columns (lightspan sql "
+                    "'DESCRIBE llm_calls'), e.g. 'output_tokens > 5', or '' to train every call")
         object.__setattr__(self, "_policies", ())
         if self.policies:
             if self.agent_match:
@@ -170,6 +251,11 @@ class TransitionsConfig:
     def policy_configs(self) -> tuple[tuple[PolicyConfig, "TransitionsConfig"], ...]:
         """(policy, its config) for each policy of the ``policies`` file; empty without one."""
         return self._policies
+
+    @property
+    def outcome_of(self) -> dict[str, str]:
+        """{cause: what training does with it} for every cause in :data:`CAUSES` (``outcomes`` parsed)."""
+        return dict(self._outcomes)
 
     @property
     def since_unix_nano(self) -> int | None:

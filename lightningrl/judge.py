@@ -7,7 +7,8 @@ one scoring each alone. How this one works:
 
 1. A rollout is judged once it is finished — the runner's outcome span says ``ok``, or its last span
    ended more than ``grace_s`` ago — and has no reward of any name or source. A failed or timed-out
-   rollout is never judged: failed is not zero (it is dropped from training and counted instead).
+   rollout is never judged: failed is not zero (it trains as a failure with the reward its agent or
+   harness gave, or is dropped and counted without one; transitions' ``outcomes``).
 2. One judge call per task, with up to ``max_group`` of its rollouts, each shown as its trajectory:
    every LLM call's new input messages and its output, tool calls included, cut to
    ``max_chars_per_rollout``. Rollouts are labelled r1, r2, …, never by their ids. The trajectories

@@ -36,7 +36,7 @@ from .watermark import Watermark
 
 ROLLOUT_DROP_REASONS = ("split", "duplicate", "incomplete", "failed", "timeout", "infra", "time_window",
                         "no_token_ids", "agent_mismatch", "other_policy", "model_version", "truncated",
-                        "no_reward", "small_group")
+                        "not_selected", "no_reward", "small_group")
 CALL_DROP_REASONS = ("duplicate", "agent_mismatch", "no_token_ids", "other_policy",
                      "truncated")  # DROPPED_CALLS_SQL order
 PENDING_REASONS = ("incomplete", "small_group")
@@ -113,7 +113,12 @@ def read_spans(con, config: TransitionsConfig, since: Watermark, now: int, files
         else:
             reader.prefetch(range(len(files)))
         # the files' token lists decode in the background while DuckDB reads the light columns
-        con.execute(SPANS_SQL.format(source=source, where=where),
+        if config.turn_select_sql:      # over the llm_calls view's columns: the span's and rollout_key
+            source = f"(SELECT *, coalesce(rollout_id, trace_id) AS rollout_key FROM {source})"
+            selected = f"coalesce(({config.turn_select_sql})::BOOLEAN, false)"
+        else:
+            selected = "true"
+        con.execute(SPANS_SQL.format(source=source, where=where, selected=selected),
                     {"runner": semconv.SPAN_RUNNER, "outcome": semconv.ROLLOUT_OUTCOME,
                      "invoke_agent": semconv.OPERATION_INVOKE_AGENT,
                      "invoke_workflow": semconv.OPERATION_INVOKE_WORKFLOW, "tl_kind": semconv.TRACELOOP_SPAN_KIND,
@@ -142,7 +147,8 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     con.execute(ROLLOUTS_SQL, {
         "runner": semconv.SPAN_RUNNER, "root": semconv.SPAN_ROLLOUT, "split": config.split, "policy": p.policy,
         "ops": sorted(semconv.LLM_OPERATIONS), "cutoff": now - int(config.grace_s * 1e9),
-        "since": config.since_unix_nano, "until": config.until_unix_nano})
+        "since": config.since_unix_nano, "until": config.until_unix_nano,
+        "dropped": [c for c, o in config.outcome_of.items() if o == "dropped"]})
     found.scan["already_built"] = con.execute("SELECT count(*) FROM _lrl_rollouts WHERE built").fetchall()[0][0]
 
     where = con.sql(TOKEN_ROWS_SQL).to_arrow_table()
@@ -162,7 +168,7 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     con.execute(FINAL_SQL, {"agents": agents, "policy": p.policy, "min_group_size": config.min_group_size,
                              "drop_truncated": config.drop_truncated,
                              "vmin": config.min_model_version, "vmax": config.max_model_version})
-    con.execute(READY_SQL)
+    con.execute(READY_SQL, {"masked": [c for c, o in config.outcome_of.items() if o == "masked"]})
     found.drops = dict(con.execute(
         "SELECT reason, count(*) FROM _lrl_final WHERE reason IS NOT NULL GROUP BY reason").fetchall())
     found.drops.pop("built", None)         # done before: skipped, counted as already_built
@@ -173,7 +179,7 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     params = {"agents": agents, "policy": p.policy, "drop_truncated": config.drop_truncated}
     found.calls = con.sql(FETCH_CALLS_SQL, params=params).to_arrow_table()
     found.rewards = con.sql(FETCH_REWARDS_SQL).to_arrow_table()
-    found.groups = con.sql("SELECT gidx FROM _lrl_ready ORDER BY ridx").to_arrow_table()
+    found.groups = con.sql("SELECT gidx, outcome FROM _lrl_ready ORDER BY ridx").to_arrow_table()
     *counts, found.truncated_calls = con.execute(DROPPED_CALLS_SQL, params).fetchall()[0]
     found.dropped_calls = dict(zip(CALL_DROP_REASONS, counts))
     if p.policy is not None:     # calls of agents no policy owns, counted once however many passes see them

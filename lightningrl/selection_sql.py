@@ -42,7 +42,9 @@ SELECT f.fidx, s.file_row_number AS frow, s.trace_id, s.span_id, s.parent_span_i
        s.reward, s.model_version, s.policy AS served_policy, s.temperature, s.received_unix_nano,
        CASE WHEN s.name = $runner THEN s.attributes[$outcome] END AS outcome,
        -- a reward that scores one call (a person's, in the web UI) names it
-       CASE WHEN s.reward IS NOT NULL THEN json_extract_string(s.attributes[$reward_call], '$') END AS reward_call
+       CASE WHEN s.reward IS NOT NULL THEN json_extract_string(s.attributes[$reward_call], '$') END AS reward_call,
+       -- turn_select_sql over the span's columns (true without one)
+       {selected} AS selected
 FROM {source} s JOIN _lrl_files f ON f.filename = s.filename
 {where}
 """
@@ -96,18 +98,22 @@ WITH roll AS (
     SELECT rollout_id, min(created_unix_nano) AS built_at FROM transitions
     WHERE rollout_id IN (SELECT rollout_key FROM roll) AND policy IS NOT DISTINCT FROM $policy::VARCHAR
     GROUP BY 1
+), caused AS (
+    -- why it did not end ok (config.CAUSES), if it did not
+    SELECT *, CASE WHEN outcome = 3 THEN 'infra' WHEN outcome = 2 THEN 'timeout'
+                   WHEN outcome = 1 OR root_error THEN 'failed' END AS cause
+    FROM roll
 )
-SELECT r.rollout_key, r.task_id, r.split, b.built_at IS NOT NULL AS built,
+SELECT r.rollout_key, r.task_id, r.split, b.built_at IS NOT NULL AS built, r.cause,
        CASE WHEN r.split <> $split THEN 'split'
             WHEN b.built_at IS NOT NULL AND r.last_received > b.built_at THEN 'duplicate'
             WHEN b.built_at IS NOT NULL THEN 'built'
             WHEN r.runner_spans = 0 AND r.last_end >= $cutoff THEN 'incomplete'
-            WHEN r.outcome = 3 THEN 'infra'
-            WHEN r.outcome = 2 THEN 'timeout'
-            WHEN r.outcome = 1 OR r.root_error THEN 'failed'
+            -- the causes the config's outcomes drop (the others train as failed or masked)
+            WHEN list_contains($dropped::VARCHAR[], r.cause) THEN r.cause
             WHEN r.start_ns < $since::BIGINT OR r.start_ns >= $until::BIGINT THEN 'time_window'
        END AS reason
-FROM roll r LEFT JOIN built b ON b.rollout_id = r.rollout_key
+FROM caused r LEFT JOIN built b ON b.rollout_id = r.rollout_key
 WHERE r.has_rollout_id OR r.has_llm_span
 """
 
@@ -125,7 +131,7 @@ WITH c AS (
            s.service_name, s.start_ns, s.end_ns, s.model_version, s.served_policy, s.temperature,
            coalesce(list_contains($truncated::VARCHAR[], s.finish_reason), false) AS truncated, t.hpos,
            s.capture_status IS NOT DISTINCT FROM 'duplicate' AS marked_duplicate,
-           coalesce(t.plen > 0 AND t.clen > 0 AND t.llen = t.clen, false) AS has_tokens
+           coalesce(t.plen > 0 AND t.clen > 0 AND t.llen = t.clen, false) AS has_tokens, s.selected
     FROM _lrl_spans s JOIN _lrl_rollouts r USING (rollout_key)
     LEFT JOIN _lrl_tok t USING (fidx, frow)
     WHERE r.reason IS NULL AND (t.hpos IS NOT NULL OR list_contains($ops::VARCHAR[], s.operation_name))
@@ -184,6 +190,8 @@ WITH calls AS (
            count(*) FILTER (WHERE matched AND has_tokens) AS with_tokens,
            count(*) FILTER (WHERE matched AND has_tokens AND own) AS served_here,
            count(*) FILTER (WHERE matched AND has_tokens AND own AND NOT (truncated AND $drop_truncated)) AS trainable,
+           count(*) FILTER (WHERE matched AND has_tokens AND own AND NOT (truncated AND $drop_truncated)
+                            AND selected) AS selected,
            bool_and(coalesce(($vmin::BIGINT IS NULL OR model_version >= $vmin::BIGINT)
                              AND ($vmax::BIGINT IS NULL OR model_version <= $vmax::BIGINT), false))
                FILTER (WHERE matched AND has_tokens AND own) AS in_versions
@@ -191,7 +199,7 @@ WITH calls AS (
 ), rew AS (
     SELECT rollout_key, count(*) AS num_rewards FROM _lrl_rewards GROUP BY rollout_key
 ), staged AS (
-    SELECT r.rollout_key, r.task_id, r.split,
+    SELECT r.rollout_key, r.task_id, r.split, r.cause,
            coalesce('t:' || r.task_id, 'r:' || r.rollout_key) AS group_key,
            coalesce(r.reason,
                     CASE WHEN p.rollout_key IS NULL THEN 'no_token_ids'
@@ -200,10 +208,11 @@ WITH calls AS (
                          WHEN p.served_here = 0 THEN 'other_policy'
                          WHEN NOT p.in_versions THEN 'model_version'
                          WHEN p.trainable = 0 THEN 'truncated'
+                         WHEN p.selected = 0 THEN 'not_selected'
                          WHEN w.num_rewards IS NULL THEN 'no_reward' END) AS reason
     FROM _lrl_rollouts r LEFT JOIN per p USING (rollout_key) LEFT JOIN rew w USING (rollout_key)
 )
-SELECT rollout_key, task_id, split, group_key,
+SELECT rollout_key, task_id, split, group_key, cause,
        CASE WHEN reason IS NULL
                  AND count(*) OVER (PARTITION BY group_key, reason IS NULL) < $min_group_size
             THEN 'small_group' ELSE reason END AS reason
@@ -213,6 +222,9 @@ FROM staged
 READY_SQL = """
 CREATE OR REPLACE TEMP TABLE _lrl_ready AS
 SELECT rollout_key, task_id, split,
+       -- how it trains (config.TRAIN_OUTCOMES): ok, or what the config's outcomes make of its cause
+       CASE WHEN cause IS NULL THEN 'ok' WHEN list_contains($masked::VARCHAR[], cause) THEN 'masked'
+            ELSE 'failed' END AS outcome,
        (row_number() OVER (ORDER BY rollout_key) - 1)::BIGINT AS ridx,
        (dense_rank() OVER (ORDER BY group_key) - 1)::BIGINT AS gidx
 FROM _lrl_final WHERE reason IS NULL
@@ -221,7 +233,7 @@ FROM _lrl_final WHERE reason IS NULL
 FETCH_CALLS_SQL = """
 SELECT k.ridx, c.rollout_key || '/' || c.span_id AS transition_id, c.rollout_key, k.task_id, k.split,
        nullif(c.agent_key, '') AS agent_name, c.agent_key, c.end_ns, c.model_version, c.temperature, c.hpos,
-       c.has_tokens AND {own} AND NOT (c.truncated AND $drop_truncated) AS emit
+       c.has_tokens AND {own} AND NOT (c.truncated AND $drop_truncated) AS emit, c.selected
 FROM _lrl_calls c JOIN _lrl_ready k USING (rollout_key)
 WHERE NOT c.duplicate AND list_contains($agents::VARCHAR[], c.agent_key)
 ORDER BY k.ridx, c.start_ns, c.end_ns, c.span_id, c.trace_id

@@ -14,9 +14,13 @@ so the trainer scores the whole episode in one forward pass and trains only the 
 policy produced: the loss masking of multi-turn agent RL (e.g. the retrieved-token masking of
 Search-R1, Jin et al. 2025, arXiv 2503.09516).
 
-When the prefix does not match, the calls start a new sequence and the mismatch is classified
-(:func:`classify_mismatch`), so a run can tell a chat template that re-renders the assistant
-turn from a tokenizer that re-tokenises text differently from how it was sampled.
+When the prefix does not match, the calls start a new sequence, a *segment* of the same
+rollout (never a mis-merge: the rows are separate samples, each credited as its first call is),
+and the mismatch is classified (:func:`classify_mismatch`), so a run can tell an agent that
+compacts its history (summarised, truncated, rewritten) from a chat template that re-renders the
+assistant turn, a tokenizer that re-tokenises text differently from how it was sampled, and a
+harness that re-writes the assistant turn as its own tool-call text. Each sequence records its
+segment index within its rollout and agent and the kind of mismatch that started it.
 
 Deviations and heuristics:
 
@@ -37,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-MISMATCH_KINDS = ("chat_template", "retokenization", "other")
+MISMATCH_KINDS = ("compaction", "chat_template", "retokenization", "tool_text")
 EDGE = 2
 """Tokens at each end of a completion where a difference is the template's (stop token, spaces)."""
 
@@ -45,20 +49,23 @@ EDGE = 2
 def classify_mismatch(prompt, completion, next_prompt) -> str:
     """Why ``next_prompt`` does not start with ``prompt + completion`` (three 1-D int arrays).
 
-    - ``other``: ``next_prompt`` does not even start with ``prompt`` (the history before the
-      completion changed: truncated, summarised, another system prompt), or the completion is
-      mostly gone from it.
+    - ``compaction``: ``next_prompt`` does not even start with ``prompt``: the history before
+      the completion changed (summarised, truncated, a middle part dropped, another system
+      prompt), whether the new prompt is shorter or not.
     - ``chat_template``: the completion's tokens reappear except at its edges: tokens differ,
       are missing or are added within its first or last ``EDGE`` tokens (a trailing
       ``<|im_end|>`` missing or doubled, whitespace around the turn), or a block at its start
       or end was dropped (a template that strips reasoning from earlier turns).
     - ``retokenization``: at least half of the completion's tokens reappear in order, but a
       stretch inside it was replaced by other tokens (the same text tokenised differently).
+    - ``tool_text``: ``prompt`` is kept but less than half of the completion reappears where it
+      should: the harness re-wrote the assistant turn (e.g. parsed its tool call and rendered it
+      as its own tool-call text) or put something else there.
     """
     prompt, completion, next_prompt = (np.asarray(a) for a in (prompt, completion, next_prompt))
     n, start = len(completion), len(prompt)
     if len(next_prompt) < start or not np.array_equal(next_prompt[:start], prompt):
-        return "other"
+        return "compaction"
     window = next_prompt[start:start + n + EDGE].tolist()
     ops = difflib.SequenceMatcher(None, completion.tolist(), window, autojunk=False).get_opcodes()
     template = True
@@ -71,7 +78,7 @@ def classify_mismatch(prompt, completion, next_prompt) -> str:
     if template:
         return "chat_template"
     kept = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag == "equal")
-    return "retokenization" if 2 * kept >= n else "other"
+    return "retokenization" if 2 * kept >= n else "tool_text"
 
 
 class Merged(NamedTuple):
@@ -84,6 +91,8 @@ class Merged(NamedTuple):
     mask: np.ndarray                # int8: 1 sampled by the model, 0 not
     logprobs: np.ndarray            # float32: the sampled logprob, 0 where mask is 0
     mismatches: dict[str, int]      # prefix mismatches by kind
+    segment: np.ndarray             # (S,) int32 index of each sequence among its group's, from 0
+    cause: np.ndarray               # (S,) int8 index into MISMATCH_KINDS of what started it; -1: the first
 
 
 _PROMPT, _COMPLETION = 0, 1
@@ -115,9 +124,10 @@ def merge(prompts, completions, logprobs, base: np.ndarray, rows: np.ndarray, gr
     pvals, cvals, lvals = [v for _, v in prompts], [v for _, v in completions], [v for _, v in logprobs]
     zeros = np.zeros(max([0] + [len(v) for v in pvals]), dtype=np.float32)
 
-    first, num_calls, lengths = [], [], []
+    first, num_calls, lengths, segment, cause = [], [], [], [], []
     tokens, values, kinds, sizes = [], [], [], []     # one entry per segment, views into the chunks
     mismatches = dict.fromkeys(MISMATCH_KINDS, 0)
+    kind_index = {kind: k for k, kind in enumerate(MISMATCH_KINDS)}
     prev = None                     # (group, chunk, prompt start, end, completion start, end) of call k
     for i, (g, b) in enumerate(zip(group.tolist(), chunk.tolist())):
         p0, p1, c0, c1, l0 = P0[i], P1[i], C0[i], C1[i], L0[i]
@@ -138,6 +148,11 @@ def merge(prompts, completions, logprobs, base: np.ndarray, rows: np.ndarray, gr
                 continue
             kind = classify_mismatch(pvals[a][q0:q1], cvals[a][d0:d1], pvals[b][p0:p1])
             mismatches[kind] += 1
+            segment.append(segment[-1] + 1)      # a new segment of the same rollout and agent
+            cause.append(kind_index[kind])
+        else:
+            segment.append(0)
+            cause.append(-1)
         first.append(i)
         num_calls.append(1)
         lengths.append(c1 - c0)
@@ -152,4 +167,4 @@ def merge(prompts, completions, logprobs, base: np.ndarray, rows: np.ndarray, gr
     return Merged(np.asarray(first, dtype=np.int64), np.asarray(num_calls, dtype=np.int64), offsets,
                   np.concatenate(tokens).astype(np.int32, copy=False) if tokens else np.zeros(0, np.int32),
                   mask, np.concatenate(values).astype(np.float32, copy=False) if values else np.zeros(0, np.float32),
-                  mismatches)
+                  mismatches, np.asarray(segment, dtype=np.int32), np.asarray(cause, dtype=np.int8))

@@ -87,6 +87,20 @@ TRANSITION_SCHEMA = pa.schema([
     ("completion_mask", pa.list_(pa.int8())),
     # the policy that trains on it (lightspan/store/policies.py); null: the unnamed policy
     ("policy", pa.string()),
+    # per-rollout output: the row's segment among its rollout and agent's rows (0: the first; a
+    # new one starts where a prompt does not extend the sequence) and the prefix mismatch that
+    # started it (compaction, chat_template, retokenization, tool_text; null for segment 0);
+    # null with one call per transition
+    ("segment", pa.int32()),
+    ("segment_cause", pa.string()),
+    # rows of its rollout in its build (for this policy): a loss normalised per rollout weighs
+    # each row 1/rollout_rows, so a rollout split into k rows weighs as one; null = unknown (older)
+    ("rollout_rows", pa.int32()),
+    # the rollout's outcome as trained: ok, failed (the agent's fault, trained with its real
+    # reward) or masked (in its group's baseline, no loss); null = ok (older builds)
+    ("outcome", pa.string()),
+    # the weight of the row's loss: 1, 0 for a masked rollout's rows; null = 1
+    ("loss_weight", pa.float64()),
 ])
 
 TRAIN_STEP_SCHEMA = pa.schema([

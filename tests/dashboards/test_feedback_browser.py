@@ -68,7 +68,8 @@ def test_feedback_given_in_the_ui_is_stored_as_human_rewards_and_trained_on(coll
     data = collector.data_dir
     rows, metrics = build(data)
     assert rows == []                       # q0 alone is a group of one
-    assert metrics["transitions/dropped_rollouts/no_reward"] == 2 and metrics["transitions/dropped_rollouts/failed"] == 1
+    # qf failed without a reward: a failure trains with its real reward, and it has none (never a 0)
+    assert metrics["transitions/dropped_rollouts/no_reward"] == 3 and metrics["transitions/dropped_rollouts/failed"] == 0
 
     base = f"http://127.0.0.1:{collector.api_port}/ui/"
     browser.errors.clear()
@@ -128,7 +129,7 @@ def test_feedback_given_in_the_ui_is_stored_as_human_rewards_and_trained_on(coll
     # call 0), in one group with q0 (the agent's 1.0)
     rows, metrics = build(data)
     by = {(r["rollout_id"], r["call_index"]): r for r in rows}
-    assert {k[0] for k in by} == {"q0", "q1", "q2"} and metrics["transitions/dropped_rollouts/no_reward"] == 0
+    assert {k[0] for k in by} == {"q0", "q1", "q2"} and metrics["transitions/dropped_rollouts/no_reward"] == 1   # qf
     assert by[("q1", 0)]["reward"] == by[("q1", 1)]["reward"] == 1.0
     assert by[("q2", 0)]["reward"] == by[("q2", 1)]["reward"] == 0.25
     assert by[("q1", 0)]["advantage"] > 0 > by[("q2", 0)]["advantage"]

@@ -181,12 +181,13 @@ def test_drops_are_counted_by_reason(tmp_path):
     rows[-2]["end_time_unix_nano"] = rows[-1]["end_time_unix_nano"] = NOW - 10**9
     rows += episode("alone", 1.0, task="t9")                          # a group of one
     write(tmp_path, rows)
-    table, m = build(tmp_path, grace_s=30.0)
+    # the agent's failures dropped too (the default trains them: tests/lightningrl/test_outcomes.py)
+    table, m = build(tmp_path, grace_s=30.0, outcomes="failed=dropped,timeout=dropped")
     assert set(table.column("rollout_id").to_pylist()) == {"ok1", "ok2"}
     assert {k.rsplit("/", 1)[1]: v for k, v in m.items() if "dropped_rollouts" in k} == {
         "no_token_ids": 1, "no_reward": 1, "failed": 2, "timeout": 1, "infra": 1, "incomplete": 1,
         "small_group": 1, "agent_mismatch": 0, "split": 0, "duplicate": 0, "time_window": 0,
-        "model_version": 0, "truncated": 0, "other_policy": 0}
+        "model_version": 0, "truncated": 0, "other_policy": 0, "not_selected": 0}
 
 
 def test_rollout_without_runner_completes_after_grace(tmp_path):
@@ -204,11 +205,14 @@ def test_runner_span_ends_a_rollout_at_once(tmp_path):
     assert m["transitions/rollouts"] == 2
 
 
-def test_failed_root_rollout_span_drops_the_rollout(tmp_path):
+def test_failed_root_rollout_span_is_a_failure(tmp_path):
     rows = episode("a", 1.0) + episode("b", 0.0) + episode("c", 0.0)
     rows.append(span("c", "lightspan.rollout", 0, 50, status_code="ERROR"))
     write(tmp_path, rows)
-    table, m = build(tmp_path)
+    table, m = build(tmp_path)         # the default: trained as a failure with its real reward
+    assert dict(zip(table.column("rollout_id").to_pylist(), table.column("outcome").to_pylist())) == {
+        "a": "ok", "b": "ok", "c": "failed"}
+    table, m = build(tmp_path, outcomes="failed=dropped")
     assert set(table.column("rollout_id").to_pylist()) == {"a", "b"}
     assert m["transitions/dropped_rollouts/failed"] == 1
 

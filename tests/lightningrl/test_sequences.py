@@ -34,9 +34,12 @@ C = [10, 11, 12, 13, 14, 15, EOS]
     ("space dropped at the end", P + C[:-2] + [EOS, NL, 50], "chat_template"),
     ("two tokens merged inside", P + [10, 11, 77, 14, 15, EOS, NL, 50], "retokenization"),
     ("one token split inside", P + [10, 11, 12, 70, 71, 14, 15, EOS, 50], "retokenization"),
-    ("history rewritten", [1, 9, 3] + C + [50], "other"),
-    ("history truncated", [2, 3] + C + [50], "other"),
-    ("completion replaced", P + [60, 61, 62, 63, 64, 65, 66, 67], "other"),
+    ("history rewritten", [1, 9, 3] + C + [50], "compaction"),
+    ("history truncated", [2, 3] + C + [50], "compaction"),
+    ("history summarised: shorter than before", [1, 80, 50], "compaction"),
+    ("a middle part dropped", [1, 3] + C + [50], "compaction"),
+    ("completion replaced", P + [60, 61, 62, 63, 64, 65, 66, 67], "tool_text"),
+    ("tool call re-rendered as the harness's own text", P + [70, 71, 72, 73, 10, 74, 75, 76], "tool_text"),
 ])
 def test_classify_mismatch(name, next_prompt, kind):
     assert classify_mismatch(np.array(P), np.array(C), np.array(next_prompt)) == kind, name
@@ -49,7 +52,7 @@ def test_doubled_im_end_in_the_completion_is_the_template():
 
 
 def test_mismatch_kinds_and_output_modes_are_closed_sets():
-    assert sequences.MISMATCH_KINDS == ("chat_template", "retokenization", "other")
+    assert sequences.MISMATCH_KINDS == ("compaction", "chat_template", "retokenization", "tool_text")
     assert tuple(assignment.OUTPUTS) == OUTPUTS == ("per_call", "per_rollout")
 
 
@@ -103,7 +106,13 @@ def test_per_rollout_merges_matching_turns_by_hand(tmp_path):
     assert all(r["credit"] == r["reward"] for r in rows)
     assert m["transitions/sequences"] == 7 and m["transitions/calls"] == 9 and m["transitions/rollouts"] == 4
     assert {k.rsplit("/", 1)[1]: v for k, v in m.items() if "prefix_mismatch" in k} == {
-        "chat_template": 1, "retokenization": 1, "other": 1}
+        "compaction": 1, "chat_template": 1, "retokenization": 1, "tool_text": 0}
+    # each row's segment of its rollout and the mismatch that started it
+    assert [(r["rollout_id"], r["segment"], r["segment_cause"], r["rollout_rows"]) for r in rows] == [
+        ("a", 0, None, 1), ("b", 0, None, 2), ("b", 1, "chat_template", 2), ("c", 0, None, 2),
+        ("c", 1, "retokenization", 2), ("d", 0, None, 2), ("d", 1, "compaction", 2)]
+    assert m["transitions/rows_per_rollout_mean"] == pytest.approx(7 / 4)
+    assert m["transitions/rows_per_rollout_max"] == 2 and m["transitions/merge_rate"] == pytest.approx(1 / 4)
     assert m["transitions/masked_tokens"] == 3
     assert m["transitions/completion_tokens"] == sum(sum(r["completion_mask"]) for r in rows)
 
@@ -148,7 +157,7 @@ def test_discounted_sequence_gets_the_return_from_its_first_call(tmp_path):
     got = {(r["rollout_id"], r["call_index"]): (r["credit"], r["advantage"], r["reward"]) for r in table.to_pylist()}
     assert got == {("a", 0): pytest.approx((1.2, 0.3, 1.0)), ("a", 1): pytest.approx((1.0, 0.1, 1.0)),
                    ("b", 0): pytest.approx((0.6, -0.3, 0.6))}
-    assert m["transitions/prefix_mismatch/other"] == 1
+    assert m["transitions/prefix_mismatch/compaction"] == 1
 
 
 def test_turns_read_from_different_files_still_merge(tmp_path):
