@@ -68,6 +68,23 @@ def _transitions(cfg, args) -> int:
     return _print_json(run(cfg))
 
 
+def _train(cfg, args) -> int:
+    if cfg.algo != "sft":
+        from lightspan.trainer.driver import run
+
+        return run(cfg)
+    from lightspan.trainer.sft import run
+    from lightspan.trainer.sync import SyncError
+
+    try:
+        summary = run(cfg)
+    except SyncError as exc:          # the checkpoint stays saved; the next start publishes it
+        logging.getLogger("lightspan").error("%s", exc)
+        return 1
+    _print_json(summary)
+    return 0 if summary["train/sft/examples"] else 1     # nothing trainable: say so in the exit code too
+
+
 def _judge(cfg, args) -> int:
     from lightspan.lightningrl.judge import run
 
@@ -215,8 +232,8 @@ JOBS = {
                        actions=("build",)),
     "reward": Job("score finished rollouts that have no reward with an LLM judge (a task's group per call, "
                   "against a rubric)", _judge, "lightspan.lightningrl.judge:JudgeConfig", "judge", actions=("judge",)),
-    "train": Job("GRPO on stored transitions; push new weights into the running vLLM",
-                 _call("lightspan.trainer.driver:run"), "lightspan.trainer.config:TrainerConfig", "trainer"),
+    "train": Job("GRPO on stored transitions, or (--algo sft) supervised fine-tuning on captured calls; push new "
+                 "weights into the running vLLM", _train, "lightspan.trainer.config:TrainerConfig", "trainer"),
     "demo": Job("the end-to-end demo: collector, vLLM, agent rollouts, transitions, training, validation",
                 _call("lightspan.demo:run"), "lightspan.demo:DemoConfig", "demo"),
     "status": Job("summarise the data directory, the inference server and the latest training run",

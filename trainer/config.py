@@ -20,6 +20,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
+ALGOS = ("grpo", "sft")
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -110,6 +111,25 @@ class TrainerConfig:
     every: str = option("", "Schedule of mode 'every', a duration such as '30m', '10s', '1h30m'.")
     poll_interval_s: float = option(1.0, "Seconds between polls for new transitions in continuous mode.")
     max_steps: int = option(0, "Stop continuous mode after this many steps; 0 = unlimited.")
+    # supervised fine-tuning on captured calls (trainer/sft.py)
+    algo: str = option("grpo", "'grpo': RL on the transitions the builder wrote. 'sft': supervised fine-tuning on "
+                       "captured calls (a warm start from a hosted model's traces, which carry messages but no "
+                       "token ids): each call of 'select' is re-tokenised with the policy's chat template and trained "
+                       "on its reply's tokens only, sft_epochs times, batch_size calls per step; one run makes one "
+                       "new policy version (checkpoint, sync, policy.json, a train_steps row), which a later "
+                       "'grpo' run resumes from. Calls that cannot be rendered are counted by reason "
+                       "(train/sft/unrenderable/<reason>).", choices=ALGOS)
+    select: str = option("coalesce(split, 'train') = 'train'", "--algo sft: the calls to train on, a SQL condition over "
+                         "the sft_calls view: the llm_calls view's columns plus call_reward (the rewards the store's "
+                         "attribution rule gives the call), final_reward and rollout_status (the rollout's), "
+                         "human_reward and judge_reward (the latest whole-rollout reward of each source); e.g. "
+                         "\"human_reward >= 1 OR judge_reward >= 0.8\". Identical rendered calls train once.")
+    val_select: str = option("split = 'val'", "--algo sft: held-out calls, scored before and after training (loss, "
+                             "token accuracy and exact match of the reply under teacher forcing) and never trained "
+                             "on; a SQL condition as for select. Empty: no held-out evaluation.")
+    sft_epochs: int = option(1, "--algo sft: passes over the selected calls.")
+    sft_max_length: int = option(0, "--algo sft: a call whose prompt + reply is longer (tokens) is counted as "
+                                 "too_long and not trained; 0: the model's max_position_embeddings.")
     # reproducibility and housekeeping
     seed: int = option(0, "Seed of torch's and Python's random number generators at version 0.")
     torch_threads: int = option(0, "torch.set_num_threads; 0 keeps torch's default.")
@@ -128,7 +148,7 @@ class TrainerConfig:
             raise ConfigError(SECTION, name, problem, fix)
 
         for name, choices in (("loss_type", LOSS_TYPES), ("is_correction", IS_CORRECTIONS),
-                              ("sync", SYNCS), ("mode", MODES)):
+                              ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS)):
             if getattr(self, name) not in choices:
                 fail(name, f"{getattr(self, name)!r} is not allowed", f"use one of: {', '.join(choices)}")
         if not self.model:
@@ -201,6 +221,18 @@ class TrainerConfig:
         if self.batch_size and self.batch_size < self.min_transitions:
             fail("batch_size", f"{self.batch_size} is below min_transitions={self.min_transitions}, so no "
                  "step could ever start", "raise batch_size or lower min_transitions")
+        if self.algo == "sft":
+            if self.mode != "once":
+                fail("mode", f"'sft' trains once on what select picks, not {self.mode!r}",
+                     "pass --mode once with --algo sft (run it again to train on newer calls)")
+            if self.policies:
+                fail("policies", "'sft' trains one policy", "run --algo sft without --policies")
+            if not self.select.strip():
+                fail("select", "is empty", "pass a SQL condition over sft_calls, e.g. --select \"human_reward >= 1\"")
+            if self.sft_epochs < 1 or self.sft_max_length < 0:
+                name = "sft_epochs" if self.sft_epochs < 1 else "sft_max_length"
+                fail(name, f"must be >= {int(name == 'sft_epochs')}, got {getattr(self, name)}",
+                     "pass e.g. --sft-epochs 2, --sft-max-length 2048 (0: the model's limit)")
         if not self.poll_interval_s > 0:
             fail("poll_interval_s", f"must be > 0, got {self.poll_interval_s}", "pass e.g. --poll-interval-s 1")
         object.__setattr__(self, "_policies", self._policy_configs() if self.policies else ())
