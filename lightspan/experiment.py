@@ -50,6 +50,7 @@ from lightspan.inference import LORA_RANKS
 from lightspan.core.config import ConfigError, option
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, load_tasks
+from lightspan.trainer.config import NORMALISATIONS
 from lightspan.runs import (
     CpuClock,
     Stages,
@@ -89,6 +90,13 @@ class ExperimentConfig:
                                   "cost it a third of the CPU time at 32 at once that they cost at 4 at once.")
     learning_rate: float = option(2e-5, "Trainer learning rate (AdamW; of the adapter with lora_r).")
     loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
+    loss_normalisation: str = option("transition", "What the loss's 'sequence' is: 'transition' or 'rollout' "
+                                     "(a rollout split into k rows weighs as one; lightspan train --help).",
+                                     choices=NORMALISATIONS)
+    micro_batch_tokens: int = option(0, "Padded tokens per trainer forward/backward pass, at most (lightspan "
+                                        "train --micro-batch-tokens); 0: derived from max_memory_gb.")
+    max_memory_gb: float = option(0.0, "Memory (GiB) the trainer may use, which sizes its micro-batches "
+                                       "(lightspan train --max-memory-gb); 0: from the memory available at each step.")
     lora_r: int = option(0, "LoRA rank of the trainer (q/k/v/o projections); 0: full fine-tuning with in-place "
                             "reload. With a rank, vLLM serves it as lora_serving says.")
     lora_serving: str = option("merged", "With lora_r: how vLLM serves the adapter. 'merged': the base with the "
@@ -144,6 +152,9 @@ class ExperimentConfig:
         for name in ("steps", "tasks_per_step", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
+        if self.micro_batch_tokens < 0 or not 0 <= self.max_memory_gb < float("inf"):
+            name = "micro_batch_tokens" if self.micro_batch_tokens < 0 else "max_memory_gb"
+            raise ConfigError("experiment", name, "must be >= 0", f"pass --{name.replace('_', '-')} 0 to derive it")
         if self.samples < 2:
             raise ConfigError("experiment", "samples", "a GRPO group needs at least 2 rollouts", "pass --samples 2 or more")
         if self.lora_serving not in ("merged", "adapter"):
@@ -359,7 +370,8 @@ def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_di
         "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
         "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
         "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
-        "--entropy-floor", str(cfg.entropy_floor),
+        "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
+        "--micro-batch-tokens", str(cfg.micro_batch_tokens), "--max-memory-gb", str(cfg.max_memory_gb),
         "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
         "--metrics-port", str(ports["metrics"]), *sync))
     stages.time("start trainer", wait_published, data, trainer, 600)

@@ -5,7 +5,10 @@
   ``batch_size`` (the loop's module docstring, choices 1-3).
 - :func:`collate` pads transition rows into one :class:`MicroBatch`.
 - :func:`shard_groups` splits a batch between data-parallel ranks, whole groups each
-  (the loop's module docstring, choice 5); :func:`micro_batches` cuts one rank's share.
+  (the loop's module docstring, choice 5); :func:`micro_batches` cuts one rank's share, by rows
+  and by a budget of padded tokens (:func:`pack`).
+- :func:`step_totals` counts what the loss normalises by over the whole batch, before it is cut
+  (trainer/loss.py, deviations 4 and 9): a rollout's rows may land in different micro-batches.
 
 A batch stays an Arrow table from DuckDB to the tensors: a token list column is one flat buffer
 and its offsets, padded into a tensor in one vectorised assignment, never a Python int per token.
@@ -24,6 +27,10 @@ import torch
 
 from lightspan import store
 from lightspan.trainer.config import TrainerConfig
+from lightspan.trainer.loss import BatchTotals, sequence_totals
+
+SIZE_COLUMN = "_sequence_size"
+"""The column :func:`step_totals` adds to a batch: each row's sequence size (trainer/loss.py, deviation 9)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -41,6 +48,7 @@ class Batch:
     skipped_stale: int = 0            # model_version < version - max_staleness, or unknown
     skipped_malformed: int = 0        # no tokens, logprobs misaligned or not finite, ids outside the vocab, too long
     zero_advantage: int = 0           # no gradient: left out of the forward pass
+    masked: int = 0                   # loss weight 0 (a masked rollout's rows): left out of the forward pass
     reward_mean: float | None = None  # over the rollouts of the fresh transitions consumed
     staleness_mean: float = 0.0       # version - model_version over the trained rows
 
@@ -58,6 +66,8 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor  # (B, C): vLLM's logprobs at sampling time
     advantages: torch.Tensor          # (B,)
     temperatures: torch.Tensor        # (B,): the sampling temperature vLLM's logprobs were taken at
+    sizes: torch.Tensor               # (B,): trained tokens of each row's sequence (the row, or its rollout)
+    row_weights: torch.Tensor         # (B,): each row's loss weight (0: a masked rollout's row)
 
 
 Rows = pa.Table | Sequence[dict]
@@ -103,12 +113,24 @@ def _floats(table: pa.Table, name: str, default: float) -> np.ndarray:
     return pc.fill_null(column, default).to_numpy().astype(np.float64)
 
 
+def row_weights(rows: Rows) -> np.ndarray:
+    """Each row's loss weight: its ``loss_weight`` (null or no column: 1), and 0 where its ``outcome``
+    is ``masked`` (the builder's columns; a masked rollout is in its group's baseline, not the loss)."""
+    table = as_table(rows)
+    weights = _floats(table, "loss_weight", 1.0)
+    if "outcome" in table.column_names:
+        masked = pc.fill_null(pc.equal(table.column("outcome"), "masked"), False).to_numpy(zero_copy_only=False)
+        weights = np.where(masked, 0.0, weights)
+    return weights
+
+
 def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
     """Left-pad the prompts and right-pad the completions, so completions end the sequence.
 
     A row's ``completion_mask`` (per-rollout transitions) is 0 on completion tokens the model did
     not sample (tool output, user turns): they stay in the attention, out of the loss. Without
-    one (null) every completion token is trained.
+    one (null) every completion token is trained. A row of loss weight 0 (:func:`row_weights`)
+    trains none. Each row's sequence size is the batch's (:data:`SIZE_COLUMN`), else its own tokens.
     """
     table = as_table(rows)
     prompt, prompt_len, _ = _lists(table, "prompt_token_ids")
@@ -129,8 +151,12 @@ def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu") -> Micr
     # recorded, or greedy (0), means the untempered one
     temperature = _floats(table, "temperature", 1.0)
     temperatures = np.where(temperature == 0, 1.0, temperature).astype(np.float32)
+    weights = row_weights(table).astype(np.float32)
+    completion_mask[weights == 0] = 0
+    sizes = _floats(table, SIZE_COLUMN, np.nan)
+    sizes = np.where(np.isnan(sizes), completion_mask.sum(-1), sizes).astype(np.float32)
     return MicroBatch(*(torch.from_numpy(a).to(device) for a in (
-        input_ids, attention_mask, completion_mask, behaviour, advantages, temperatures)))
+        input_ids, attention_mask, completion_mask, behaviour, advantages, temperatures, sizes, weights)))
 
 
 def token_totals(rows: Rows) -> tuple[list[int], int]:
@@ -140,6 +166,54 @@ def token_totals(rows: Rows) -> tuple[list[int], int]:
     _, lengths, _ = _lists(table, "completion_token_ids")
     mask, mask_len, no_mask = _lists(table, "completion_mask")
     return lengths.tolist(), int(lengths[no_mask].sum() + mask.sum())
+
+
+def step_totals(rows: Rows, normalisation: str) -> tuple[BatchTotals, pa.Table]:
+    """What the loss of the whole batch ``rows`` normalises by (trainer/loss.py's ``sequence_totals``),
+    and the batch with each row's sequence size in :data:`SIZE_COLUMN`: computed here, before the
+    batch is cut into micro-batches, so every micro-batch of a rollout divides by the same sizes."""
+    table = as_table(rows)
+    lengths, _ = token_totals(table)
+    mask, mask_len, no_mask = _lists(table, "completion_mask")
+    trained = np.array(lengths, dtype=np.int64)
+    if not no_mask.all():            # a row with a mask trains its ones
+        row_of = np.repeat(np.arange(int((~no_mask).sum())), mask_len[~no_mask])
+        trained[~no_mask] = np.bincount(row_of, weights=mask.astype(np.float64),
+                                        minlength=int((~no_mask).sum())).astype(np.int64)
+    rollouts = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
+                else [None] * table.num_rows)
+    ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
+    keys = [r if r else t for r, t in zip(rollouts, ids)]
+    totals, sizes = sequence_totals(lengths, trained.tolist(), keys, row_weights(table).tolist(),
+                                    normalisation=normalisation)
+    column = pa.array(sizes, pa.float64())
+    if SIZE_COLUMN in table.column_names:
+        return totals, table.set_column(table.column_names.index(SIZE_COLUMN), SIZE_COLUMN, column)
+    return totals, table.append_column(SIZE_COLUMN, column)
+
+
+def pack(prompt_len: Sequence[int], completion_len: Sequence[int], *, max_rows: int,
+         max_tokens: int = 0) -> list[list[int]]:
+    """Row indices per micro-batch: at most ``max_rows`` rows and, with ``max_tokens``, at most that
+    many padded tokens, rows x (longest prompt + longest completion), the (B, P + C) a forward pass
+    holds. A row longer than ``max_tokens`` is a micro-batch alone: it costs time, never a refusal.
+    With a budget, rows go longest first so that rows of like length share their padding;
+    without one, in batch order."""
+    n = len(prompt_len)
+    order = sorted(range(n), key=lambda i: (-(prompt_len[i] + completion_len[i]), i)) if max_tokens else range(n)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest_p = longest_c = 0
+    for i in order:
+        p, c = max(longest_p, prompt_len[i]), max(longest_c, completion_len[i])
+        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * (p + c) > max_tokens)):
+            chunks.append(sorted(current))
+            current, p, c = [], prompt_len[i], completion_len[i]
+        current.append(i)
+        longest_p, longest_c = p, c
+    if current:
+        chunks.append(sorted(current))
+    return chunks
 
 
 def shard_groups(rows: Rows, num_shards: int) -> list[list[int]]:
@@ -172,15 +246,20 @@ def shard_groups(rows: Rows, num_shards: int) -> list[list[int]]:
 
 
 def micro_batches(rows: Rows, *, rank: int, num_ranks: int, size: int, pad_id: int,
-                  device) -> tuple[list[MicroBatch], int]:
-    """Rank ``rank``'s micro-batches of ``rows`` and how many of them are real: the others repeat
-    one row and are trained with weight 0, so that every rank runs as many passes as the busiest one."""
+                  device, max_tokens: int = 0) -> tuple[list[MicroBatch], int]:
+    """Rank ``rank``'s micro-batches of ``rows`` (at most ``size`` rows and ``max_tokens`` padded
+    tokens each, :func:`pack`) and how many of them are real: the others repeat one row and are
+    trained with weight 0, so that every rank runs as many passes as the busiest one."""
     table = as_table(rows)
     shards = shard_groups(table, num_ranks) if num_ranks > 1 else [list(range(table.num_rows))]
-    mine = table.take(pa.array(shards[rank], pa.int64())) if num_ranks > 1 else table
-    chunks = [mine.slice(i, size) for i in range(0, mine.num_rows, size)]
+    prompt_len = _lists(table, "prompt_token_ids")[1]
+    completion_len = _lists(table, "completion_token_ids")[1]
+    cuts = [[[shard[i] for i in chunk] for chunk in pack(prompt_len[shard].tolist(), completion_len[shard].tolist(),
+                                                          max_rows=size, max_tokens=max_tokens)]
+            for shard in shards]
+    chunks = [table.take(pa.array(c, pa.int64())) for c in cuts[rank]]
     live = len(chunks)
-    chunks += [table.slice(0, 1)] * (max(-(-len(s) // size) for s in shards) - live)
+    chunks += [table.slice(0, 1)] * (max(len(c) for c in cuts) - live)
     return [collate(c, pad_id, device) for c in chunks], live
 
 
@@ -204,7 +283,7 @@ SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
                 AND list_count(completion_logprobs) = len(completion_logprobs)
                 AND isfinite(list_sum(completion_logprobs))
                 AND isfinite(coalesce(advantage, 0)), false) AS wellformed,
-       coalesce(advantage, 0) <> 0 AS nonzero
+       coalesce(advantage, 0) <> 0 AS nonzero, {masked} AS masked
 FROM transitions
 WHERE coalesce(split, 'train') = 'train'
   AND ($policy::VARCHAR IS NULL OR policy = $policy::VARCHAR)
@@ -212,6 +291,10 @@ WHERE coalesce(split, 'train') = 'train'
 QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
 """
 _UPTO = "(created_unix_nano < $created OR (created_unix_nano = $created AND transition_id <= $tid))"
+# the builder's per-row loss weight and outcome (lightningrl: a masked rollout's rows weigh 0); a
+# store whose transitions predate them has neither column, and every row is trained
+_WEIGHT_COLUMNS = ("loss_weight", "outcome")
+_MASKED = {"loss_weight": "coalesce(loss_weight, 1) = 0", "outcome": "coalesce(outcome = 'masked', false)"}
 
 
 def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: int, cursor: Cursor, vocab_size: int,
@@ -222,11 +305,13 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
     ``policy``: only that named policy's transitions (None: every transition, the unnamed policy's)."""
     con = store.connect(data_dir)
     try:
-        con.execute(_NEW_SQL, {
+        have = [c for c in _WEIGHT_COLUMNS
+                if c in {row[0] for row in con.execute("DESCRIBE SELECT * FROM transitions").fetchall()}]
+        con.execute(_NEW_SQL.format(masked=" OR ".join(_MASKED[c] for c in have) or "false"), {
             "min_version": version - config.max_staleness, "vocab": vocab_size, "max_len": max_len, "policy": policy,
             "created": cursor.created_unix_nano, "tid": cursor.transition_id})
         con.execute("CREATE TEMP TABLE chosen AS SELECT created_unix_nano, transition_id FROM new "
-                    "WHERE fresh AND wellformed AND nonzero ORDER BY 1, 2 LIMIT $n",
+                    "WHERE fresh AND wellformed AND nonzero AND NOT masked ORDER BY 1, 2 LIMIT $n",
                     {"n": config.batch_size or 2**62})
         keys = con.execute("SELECT * FROM chosen ORDER BY 1, 2").fetchall()
         if len(keys) < config.min_transitions:
@@ -237,20 +322,21 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
             cutoff = Cursor(*con.execute("SELECT created_unix_nano, transition_id FROM new "
                                          "ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchall()[0])
         upto = {"created": cutoff.created_unix_nano, "tid": cutoff.transition_id}
-        stale, malformed, zero = con.execute(f"""
+        stale, malformed, zero, masked = con.execute(f"""
             SELECT count(*) FILTER (WHERE NOT fresh),
                    count(*) FILTER (WHERE fresh AND NOT wellformed),
-                   count(*) FILTER (WHERE fresh AND wellformed AND NOT nonzero)
+                   count(*) FILTER (WHERE fresh AND wellformed AND NOT nonzero),
+                   count(*) FILTER (WHERE fresh AND wellformed AND nonzero AND masked)
             FROM new WHERE {_UPTO}""", upto).fetchall()[0]
         reward_mean = con.execute(f"""
             SELECT avg(reward) FROM (SELECT any_value(reward) AS reward FROM new
                                      WHERE fresh AND {_UPTO} GROUP BY rollout_id)""", upto).fetchall()[0][0]
         # the range filter lets DuckDB skip row groups by their min/max statistics; read as Arrow
         # (con.sql: a result of execute() would be copied once more), every result before it fetched
-        table = con.sql("""
+        table = con.sql(f"""
             SELECT t.transition_id, t.rollout_id, t.task_id, t.prompt_token_ids, t.completion_token_ids,
                    t.completion_logprobs, t.completion_mask, t.model_version, t.temperature, t.reward, t.advantage,
-                   t.created_unix_nano
+                   t.created_unix_nano{"".join(f", t.{c}" for c in have)}
             FROM transitions t JOIN chosen c USING (created_unix_nano, transition_id)
             WHERE t.created_unix_nano BETWEEN $first AND $last
             ORDER BY t.created_unix_nano, t.transition_id""",
@@ -263,4 +349,4 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
         table = table.take(np.sort(first))
     staleness = version - pc.cast(table.column("model_version"), pa.float64()).to_numpy()
     return Batch(table=table, cursor=cutoff, skipped_stale=stale, skipped_malformed=malformed,
-                 zero_advantage=zero, reward_mean=reward_mean, staleness_mean=float(staleness.mean()))
+                 zero_advantage=zero, masked=masked, reward_mean=reward_mean, staleness_mean=float(staleness.mean()))

@@ -21,6 +21,7 @@ IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence
 SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
 ALGOS = ("grpo", "sft")
+NORMALISATIONS = ("transition", "rollout")     # trainer/loss.py's, deviation 9
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -73,6 +74,13 @@ class TrainerConfig:
                             "over sequences; Shao et al. 2024), 'dapo' (mean over all tokens; Yu et al. "
                             "2025), 'dr_grpo' (sum / (sequences x max completion length); Liu et al. 2025). "
                             "TRL's default is 'dapo'.", choices=LOSS_TYPES)
+    loss_normalisation: str = option(
+        "transition", "What the loss type's 'sequence' is: 'transition' (each training row, as in the papers) or "
+        "'rollout' (a rollout's rows in the batch together, so a rollout split into k rows by compaction or "
+        "re-tokenisation weighs as one: grpo's per-sequence mean runs over the rollout's tokens and the mean "
+        "counts rollouts; dr_grpo divides by rollouts x the longest rollout; dapo and cispo, token-level, are "
+        "the same either way). Agent Lightning's per_rollout_mean divides by rows, so a split rollout weighs k "
+        "times (its issues #593/#594).", choices=NORMALISATIONS)
     epsilon: float = option(0.2, "Lower clip range: the ratio is clipped below at 1 - epsilon.")
     epsilon_high: float = option(0.28, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
                                  "(DAPO clip-higher; set it equal to epsilon for the symmetric clip of PPO/GRPO).")
@@ -95,8 +103,17 @@ class TrainerConfig:
     learning_rate: float = option(1e-5, "AdamW learning rate (constant).")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     max_grad_norm: float = option(1.0, "Clip the gradient's global norm to this; 0 disables clipping.")
-    micro_batch_size: int = option(8, "Transitions per forward/backward pass; gradients accumulate "
+    micro_batch_size: int = option(8, "Transitions per forward/backward pass, at most; gradients accumulate "
                                    "over the micro-batches of one step.")
+    micro_batch_tokens: int = option(
+        0, "Padded tokens per forward/backward pass, at most: rows x (longest prompt + longest completion) of "
+        "the micro-batch. Rows go longest first; a row longer than this is a pass alone (it costs time, never "
+        "a crash). 0: derived at each step from max_memory_gb and the model's size (trainer/memory.py).")
+    max_memory_gb: float = option(
+        0.0, "Memory (GiB) the trainer process may use; sizes micro_batch_tokens when that is 0: what is left "
+        "after the process's resident memory and the gradients and optimizer moments still to come, over an "
+        "estimate of the bytes one padded token costs in a forward/backward pass of this model. 0: the "
+        "process's resident memory plus 80% of the memory the machine has available when the step starts.")
     # data
     batch_size: int = option(64, "At most this many transitions per optimizer step, oldest first; "
                              "0 takes every new one.")
@@ -148,7 +165,7 @@ class TrainerConfig:
             raise ConfigError(SECTION, name, problem, fix)
 
         for name, choices in (("loss_type", LOSS_TYPES), ("is_correction", IS_CORRECTIONS),
-                              ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS)):
+                              ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS), ("loss_normalisation", NORMALISATIONS)):
             if getattr(self, name) not in choices:
                 fail(name, f"{getattr(self, name)!r} is not allowed", f"use one of: {', '.join(choices)}")
         if not self.model:
@@ -215,12 +232,15 @@ class TrainerConfig:
         for name in ("micro_batch_size", "min_transitions", "num_iterations", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
-        for name in ("batch_size", "max_staleness", "max_steps", "torch_threads"):
+        for name in ("batch_size", "max_staleness", "max_steps", "torch_threads", "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass 0 or a positive {name}")
         if self.batch_size and self.batch_size < self.min_transitions:
             fail("batch_size", f"{self.batch_size} is below min_transitions={self.min_transitions}, so no "
                  "step could ever start", "raise batch_size or lower min_transitions")
+        if not (self.max_memory_gb >= 0 and self.max_memory_gb < float("inf")):
+            fail("max_memory_gb", f"must be a number of GiB >= 0, got {self.max_memory_gb}",
+                 "pass e.g. --max-memory-gb 12, or 0 to size by the memory available")
         if self.algo == "sft":
             if self.mode != "once":
                 fail("mode", f"'sft' trains once on what select picks, not {self.mode!r}",

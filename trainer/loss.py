@@ -59,6 +59,16 @@ Deviations from the papers:
    losses' clip (TRL's ``cispo`` instead reads ``epsilon_high`` as the bound itself). Its
    loss value is -A log pi weighted, so it is not comparable with the other losses' values.
    With one pass per batch (r = 1) its gradient equals DAPO's.
+9. What a "sequence" is, is a setting (``loss_normalisation``): the transition (each row, as
+   the papers have it, one completion each) or the rollout (all its rows in the step's batch
+   together). A multi-turn rollout the builder could not merge into one row (compaction,
+   re-tokenisation) then weighs as if it were one row: GRPO's per-sequence mean runs over the
+   rollout's tokens and the mean over sequences counts rollouts; Dr. GRPO's constant is
+   rollouts x the longest rollout (the sum of its rows' completion lengths); DAPO and CISPO,
+   token-level, are the same either way. Agent Lightning's ``per_rollout_mean`` divides by rows
+   (its issues #593/#594), which makes a split rollout weigh k times. Rows carry a ``loss_weight``
+   (the builder's: 0 for a masked rollout's rows); a row of weight 0 is out of every normaliser
+   and the loss, as if it were not in the batch (:func:`sequence_totals`).
 """
 
 from __future__ import annotations
@@ -83,6 +93,33 @@ class BatchTotals(NamedTuple):
     def of(cls, completion_mask: Tensor) -> "BatchTotals":
         lengths = completion_mask.sum(-1)
         return cls(int(completion_mask.size(0)), int(lengths.sum()), int(lengths.max()) if lengths.numel() else 0)
+
+
+NORMALISATIONS = ("transition", "rollout")
+
+
+def sequence_totals(lengths, trained, rollouts, weights, *, normalisation: str) -> tuple[BatchTotals, list[int]]:
+    """The step's :class:`BatchTotals` and each row's sequence size, per ``normalisation`` (deviation 9).
+
+    Per row of the whole batch: ``lengths`` its completion length, ``trained`` the tokens its loss
+    trains (its mask's ones), ``rollouts`` its rollout's key, ``weights`` its loss weight (0: out of
+    the batch). The sequence size of a row is the trained tokens of its sequence: its own under
+    ``transition``, its rollout's rows' together under ``rollout`` (GRPO's per-sequence divisor).
+    """
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"unknown loss normalisation {normalisation!r}")
+    live = [i for i, w in enumerate(weights) if w != 0]
+    num_tokens = sum(trained[i] for i in live)
+    if normalisation == "transition":
+        sizes = [int(t) for t in trained]
+        return BatchTotals(len(live), int(num_tokens), max((int(lengths[i]) for i in live), default=0)), sizes
+    tokens: dict = {}
+    length: dict = {}
+    for i in live:
+        tokens[rollouts[i]] = tokens.get(rollouts[i], 0) + int(trained[i])
+        length[rollouts[i]] = length.get(rollouts[i], 0) + int(lengths[i])
+    sizes = [tokens.get(r, 0) for r in rollouts]
+    return BatchTotals(len(tokens), int(num_tokens), max(length.values(), default=0)), sizes
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
@@ -153,23 +190,25 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), x, 0.0)
 
 
-def grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
-    """GRPO: mean over each sequence's own tokens, then mean over the step's sequences."""
-    per_sequence = _masked(per_token, mask).sum(-1) / mask.sum(-1).clamp(min=1)
+def grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals, sizes: Tensor | None = None) -> Tensor:
+    """GRPO: mean over each sequence's own tokens, then mean over the step's sequences. ``sizes`` (B,):
+    the tokens of each row's sequence (deviation 9); default the row's own."""
+    sizes = mask.sum(-1) if sizes is None else sizes.to(per_token.dtype)
+    per_sequence = _masked(per_token, mask).sum(-1) / sizes.clamp(min=1)
     return per_sequence.sum() / max(totals.num_sequences, 1)
 
 
-def dapo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
+def dapo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals, sizes: Tensor | None = None) -> Tensor:
     """DAPO token-level loss: sum over all tokens / the step's number of tokens."""
     return _masked(per_token, mask).sum() / max(totals.num_tokens, 1)
 
 
-def dr_grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals) -> Tensor:
+def dr_grpo_aggregate(per_token: Tensor, mask: Tensor, totals: BatchTotals, sizes: Tensor | None = None) -> Tensor:
     """Dr. GRPO: sum over all tokens / (sequences x longest completion), a constant per step."""
     return _masked(per_token, mask).sum() / max(totals.num_sequences * totals.max_completion_length, 1)
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, BatchTotals], Tensor]] = {
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo_aggregate,
     "dapo": dapo_aggregate,
     "dr_grpo": dr_grpo_aggregate,
@@ -185,12 +224,15 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, comp
                 loss_type: str, epsilon: float, epsilon_high: float,
                 behaviour_logprobs: Tensor | None = None, is_correction: str = "token_truncate",
                 is_cap: float = 2.0, is_floor: float = 0.0, ref_logprobs: Tensor | None = None, beta: float = 0.0,
-                totals: BatchTotals | None = None) -> tuple[Tensor, dict[str, float]]:
+                totals: BatchTotals | None = None, sizes: Tensor | None = None,
+                row_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The clipped, IS-corrected policy loss of one (micro-)batch and its metrics.
 
     ``logprobs``, ``old_logprobs``, ``behaviour_logprobs``, ``ref_logprobs`` and
     ``completion_mask`` are (B, C); ``advantages`` is (B,). ``totals`` are the sizes of the
-    whole step's batch (default: this batch). Metrics are means over this batch's tokens.
+    whole step's batch (default: this batch); ``sizes`` (B,) each row's sequence size and
+    ``row_weights`` (B,) each row's loss weight (:func:`sequence_totals`, deviation 9; default:
+    the row's own tokens, weight 1). Metrics are means over this batch's tokens.
     """
     aggregate = AGGREGATIONS[loss_type]
     mask = completion_mask.to(logprobs.dtype)
@@ -216,7 +258,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, comp
     else:
         kl = torch.zeros_like(per_token)
 
-    loss = aggregate(per_token, mask, totals)
+    if row_weights is not None:       # a masked rollout's rows: weight 0, no loss and no gradient
+        per_token = per_token * row_weights.to(per_token.dtype).unsqueeze(1)
+    loss = aggregate(per_token, mask, totals, sizes)
 
     with torch.no_grad():
         if loss_type == "cispo":      # the weight is clipped whatever the advantage's sign

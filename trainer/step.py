@@ -10,7 +10,10 @@ One pass (``num_iterations`` passes over the batch, each one optimizer step)::
 pi_old is the current policy detached with one pass (ratio 1), and frozen before the first pass
 with more; the KL reference's logprobs (``beta`` > 0) are computed once, up front. Under DDP the
 loss is scaled by the number of ranks (trainer/loop.py's docstring, 5.), and padding micro-batches
-carry weight 0 and no metrics.
+carry weight 0 and no metrics. What the loss divides by (``step_totals``: the transition's or the
+rollout's tokens, rows of loss weight 0 left out) is counted over the whole batch before it is
+cut; micro-batches hold at most ``micro_batch_size`` rows and ``micro_batch_tokens`` padded tokens,
+or the budget trainer/memory.py derives from ``max_memory_gb`` and the model's size.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import time
 import torch
 
 from lightspan.trainer import distributed as dist
-from lightspan.trainer.batches import Batch, micro_batches, token_totals
+from lightspan.trainer.batches import Batch, micro_batches, step_totals
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import reference
-from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
+from lightspan.trainer.loss import policy_loss, token_logprobs
+from lightspan.trainer.memory import step_budget
 
 
 def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig, *, ref_model=None,
@@ -33,11 +37,12 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     cfg, device = config, accelerator.device
     t0 = time.monotonic()
     model.train()
-    micro, live = micro_batches(batch.table, rank=accelerator.process_index,   # this rank's share
+    totals, table = step_totals(batch.table, cfg.loss_normalisation)     # the whole batch's, before the cut
+    budget = cfg.micro_batch_tokens or step_budget(cfg.max_memory_gb, accelerator.unwrap_model(model), optimizer)
+    budget = dist.from_main(accelerator, budget)    # one cut on every rank: their passes must pair
+    micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
                                 num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
-                                pad_id=pad_id, device=device)
-    lengths, trained = token_totals(batch.table)
-    totals = BatchTotals(batch.table.num_rows, trained, max(lengths))
+                                pad_id=pad_id, device=device, max_tokens=budget)
 
     # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
     old = [None] * len(micro)
@@ -62,7 +67,7 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
                 loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
                 is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[i], beta=cfg.beta,
-                totals=totals)
+                totals=totals, sizes=mb.sizes, row_weights=mb.row_weights)
             # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
             accelerator.backward(loss * (accelerator.num_processes if i < live else 0.0))
             if i >= live:                   # a padding pass (module docstring, 5): no metrics
@@ -91,5 +96,6 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
         "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(map(abs, advantages)) / len(advantages),
         "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
         "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
+        "masked": batch.masked, "micro_batches": live, "micro_batch_tokens": budget,
         "step_seconds": time.monotonic() - t0})
     return metrics
