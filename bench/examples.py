@@ -222,7 +222,7 @@ class LoadSampler(threading.Thread):
 
 
 STORE_QUERY = """SELECT coalesce(r.split, '?') AS split, count(DISTINCT c.rollout_key) AS rollouts,
-    count(*) AS calls, sum(c.input_tokens) AS prompt_tokens, sum(c.output_tokens) AS completion_tokens
+    count(*) AS calls, sum(c.input_tokens)::BIGINT AS prompt_tokens, sum(c.output_tokens)::BIGINT AS completion_tokens
     FROM llm_calls c JOIN rollouts r USING (rollout_key) GROUP BY ALL ORDER BY ALL"""
 
 
@@ -232,7 +232,7 @@ def store_counts(data_dir: Path, tree: Path = ROOT) -> dict:
                          capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": out.stderr.strip()[-500:]}
-    rows = json.loads(out.stdout)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]  # JSON lines
     return {row.pop("split"): row for row in rows}
 
 
@@ -304,7 +304,7 @@ def seed_row(results: dict, run: dict | None) -> dict:
             row["cpu_s"] += run.get("service_cpu_seconds", 0.0)
         tr = run.get("store", {}).get("train")
         if tr and tr.get("rollouts"):
-            row["tokens"] = ((tr.get("prompt_tokens") or 0) + (tr.get("completion_tokens") or 0)) / tr["rollouts"]
+            row["tokens"] = (float(tr.get("prompt_tokens") or 0) + float(tr.get("completion_tokens") or 0)) / tr["rollouts"]
         row["load"], row["commit"] = run.get("load_1min"), run.get("commit")
     return row
 
