@@ -265,7 +265,8 @@ FROM spans WHERE {_IN_TRACES} AND coalesce(rollout_id, trace_id) = $key
 # the newest build of each of the rollout's transitions
 _TRANSITIONS_SQL = """
 SELECT transition_id, call_index, num_calls, model_version, reward, credit, advantage, credit_policy,
-       advantage_estimator, build_id, created_unix_nano, len(completion_token_ids) AS num_completion_tokens
+       advantage_estimator, build_id, created_unix_nano, len(completion_token_ids) AS num_completion_tokens,
+       segment, segment_cause, coalesce(outcome, 'ok') AS outcome, coalesce(loss_weight, 1.0) AS loss_weight
 FROM transitions WHERE rollout_id = $key
 QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
 ORDER BY call_index, transition_id

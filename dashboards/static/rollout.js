@@ -1,5 +1,6 @@
 // One rollout: its status, span tree (a waterfall), rewards with who gave them, LLM calls with
-// their messages, tokens, credit and advantage, and its transitions; a person can score it.
+// their messages, tokens, credit and advantage, where each segment of its trajectory begins and
+// why, and its transitions; a person can score it.
 
 import {feedbackForm} from "./feedback.js";
 import {api, badge, duration, el, fixed, fmt, show, stat, time} from "./lib.js";
@@ -28,6 +29,23 @@ function callCard(span, doc) {
   body.append(el("details", {class: "call-feedback"}, el("summary", {text: "Score this call"}),
     feedbackForm({rollout: doc, span})));
   return el("section", {class: "call", "data-call-index": String(span.call_index)}, head, body);
+}
+
+// why a call's prompt did not extend the sequence before it (the builder's segment_cause)
+const SEGMENT_WHY = {
+  compaction: "the agent's history was summarised, truncated or rewritten",
+  chat_template: "the chat template re-rendered the previous turn",
+  retokenization: "the same text was tokenised differently",
+  tool_text: "the previous reply was re-written in its place (e.g. as the harness's tool-call text)",
+};
+
+// a new segment of the trajectory begins at this call (per_rollout builds): where and why
+function segmentMarker(t) {
+  if (!t || !t.segment) return "";
+  return el("div", {class: "segment-marker", "data-segment": String(t.segment), "data-cause": t.segment_cause || ""},
+    el("strong", {text: `Segment ${t.segment} begins here`}),
+    `: ${t.segment_cause || "unknown"} (${SEGMENT_WHY[t.segment_cause] || "no cause recorded"}). `,
+    "Its tokens are a row of their own, credited with the rollout's advantage.");
 }
 
 function spanDetail(span) {
@@ -78,10 +96,14 @@ export function rolloutView(doc, top = []) {
   const calls = doc.spans.filter((s) => s.call_index !== null && s.call_index !== undefined)
     .sort((a, b) => a.call_index - b.call_index);
   const transitions = doc.transitions.length ? el("table", {id: "transitions"},
-    el("thead", {}, el("tr", {}, ["transition", "call", "policy version", "reward", "credit", "advantage", "credit policy", "estimator", "tokens"]
+    el("thead", {}, el("tr", {}, ["transition", "call", "segment", "outcome", "policy version", "reward", "credit", "advantage", "credit policy", "estimator", "tokens"]
       .map((h) => el("th", {text: h})))),
     el("tbody", {}, doc.transitions.map((t) => el("tr", {},
       el("td", {class: "mono", text: t.transition_id}), el("td", {class: "num", text: fmt(t.call_index)}),
+      el("td", {class: "segment", text: t.segment === null || t.segment === undefined ? "—"
+        : `${t.segment}${t.segment_cause ? ` (${t.segment_cause})` : ""}`}),
+      el("td", {class: "outcome"}, badge(t.loss_weight === 0 ? `${t.outcome}, no loss` : t.outcome,
+        t.outcome === "ok" ? "train" : "err")),
       el("td", {class: "num", text: fmt(t.model_version)}), el("td", {class: "num", text: fmt(t.reward, 3)}),
       el("td", {class: "num", text: fmt(t.credit, 3)}), el("td", {class: "num", text: fmt(t.advantage, 3)}),
       el("td", {text: t.credit_policy}), el("td", {text: t.advantage_estimator}),
@@ -104,7 +126,7 @@ export function rolloutView(doc, top = []) {
     el("h2", {text: "Span tree"}), waterfall(doc),
     el("h2", {text: "Rewards"}),
     doc.rewards.length ? rewardsTable(doc) : el("p", {class: "muted", text: "No reward recorded."}),
-    el("h2", {text: `LLM calls (${calls.length})`}), calls.map((span) => callCard(span, doc)),
+    el("h2", {text: `LLM calls (${calls.length})`}), calls.map((span) => [segmentMarker(span.transition), callCard(span, doc)]),
     el("h2", {text: "Transitions"}), transitions];
 }
 
@@ -119,7 +141,7 @@ function outcomeNote(doc) {
   if (doc.status !== "failed" && doc.status !== "timeout") return "";
   const what = doc.status === "timeout" ? "timed out" : `failed${exit}`;
   return el("p", {class: "error", id: "outcome-note",
-    text: `The rollout ${what}: it counts as a failure in pass@k and is never trained with a reward of 0.`});
+    text: `The rollout ${what}: it counts as a failure in pass@k, and trains (as the builder's outcomes say) as a failure with its real reward, masked or dropped, never with a reward of 0.`});
 }
 
 function rewardsTable(doc) {
