@@ -37,7 +37,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIG = HERE / "mini.yaml"
+CONFIG = Path(os.environ.get("CODING_CONFIG", HERE / "mini.yaml"))
+"""mini-swe-agent's config file (CODING_CONFIG): mini.yaml, or a smaller one for a tiny model's context."""
 BASE = Path(os.environ.get("CODING_WORK_DIR", "/tmp/lightspan-coding"))
 UID_POOL = range(200000, 200000 + 4096)
 INFRA = 75
@@ -100,7 +101,7 @@ def sandbox_command(cfg: SandboxConfig, uid: int) -> tuple[str, list[str]]:
     bash, -c, ACTION]``: this is its executable and wrapper_args."""
     disk = cfg.disk_mb * 2**20
     limits = [f"--cpu={cfg.cpu_s}", f"--as={cfg.memory_mb * 2**20}", f"--fsize={disk}", "--nofile=256",
-              f"--nproc={cfg.max_processes}", "--core=0", "--"]
+              f"--nproc={grade.sandbox._processes_of(uid) + cfg.max_processes}", "--core=0", "--"]
     drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] if os.geteuid() == 0 else []
     view = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "sbin", "lib", "lib32", "lib64"):   # merged /usr: links
@@ -182,6 +183,11 @@ def main() -> int:
         return INFRA
     cfg = SandboxConfig.from_env()
     BASE.mkdir(parents=True, exist_ok=True)
+    closed = [str(p) for p in [BASE, *BASE.parents] if not p.stat().st_mode & 0o001]
+    if closed:   # the sandbox's own user id opens the copy by its path under BASE
+        log.error("CODING_WORK_DIR %s is not reachable by other users (%s): use a directory whose parents "
+                  "are all world-traversable (chmod o+x), e.g. the default /tmp/lightspan-coding", BASE, closed[0])
+        return INFRA
     root = Path(tempfile.mkdtemp(prefix=f"{task['id']}-", dir=BASE))
     try:
         uid, _lock = claim_uid()
