@@ -19,7 +19,8 @@ class Admission:
         self.limit, self.in_flight, self.paused = limit, 0, False
         self.cond = threading.Condition()
         self.counts = {"requests": 0, "refused_paused": 0, "refused_full": 0, "refused_invalid": 0,
-                       "upstream_errors": 0, "replica_failovers": 0}
+                       "upstream_errors": 0, "replica_failovers": 0,
+                       "rewards_posted": 0, "rewards_refused": 0}   # POST /rollouts/{id}/reward (rollout/rewards.py)
 
     def enter(self) -> str | None:
         """None when admitted, else why not (``paused`` or ``full``)."""

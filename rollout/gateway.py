@@ -24,6 +24,9 @@ and answers, :mod:`lightspan.rollout.exchanges` the HTTP side) the gateway
    were not requested; fields the caller did ask for are kept. An Anthropic caller gets the
    message or event stream of vLLM's own ``/v1/messages``; errors come in the caller's protocol's shape.
 
+``POST /rollouts/{id}/reward`` (``{"value": number, "name"?: string}``) is the rollout's reward, posted
+to the collector's ``POST /v1/rewards`` as the agent's, under the collector's rules: one value per
+key, 409 on another, the same one idempotent (:mod:`lightspan.rollout.rewards`).
 The other paths of the table (``GET /v1/models``, embeddings, Anthropic's token count) pass through untouched and
 untraced; any other path is 404 and never reaches vLLM, whose dev-mode and LoRA routes are
 unauthenticated (see :mod:`lightspan.rollout.paths`). Nothing of one caller reaches another:
@@ -70,6 +73,7 @@ from lightspan.rollout.gateway_config import GatewayConfig
 from lightspan.rollout.exchanges import Exchange, error_body, invalid
 from lightspan.rollout.paths import ENDPOINTS, call_attributes, route
 from lightspan.rollout.replicas import Upstreams, untraced_key
+from lightspan.rollout.rewards import MAX_BODY_BYTES, BadReward, RewardPoster, reward_doc
 from lightspan.rollout.routing import served_attributes, served_model
 from lightspan.rollout.upstream import Upstream, lines
 from lightspan.tracing import messages, semconv
@@ -104,6 +108,7 @@ class Gateway:
         self.replicas = Upstreams(cfg.upstreams, cfg.data_dir, down_s=cfg.replica_down_s) if cfg.upstreams else None
         self.guard = web.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
+        self.rewards = RewardPoster(cfg.collector_api_url, cfg.collector_token, cfg.read_timeout_s, cfg.retry_after_s)
         self._server: web.Server | None = None
 
     @property
@@ -151,6 +156,9 @@ class Gateway:
         why = paths.unsafe(raw)
         if why:
             raise web.HTTPError(400, why)
+        reward_ids = paths.reward_route(raw)
+        if reward_ids is not None:
+            return self._reward(request, reward_ids)
         routed = route(raw + (f"?{request.query}" if request.query else ""))
         if routed is None:
             raise web.HTTPError(404, f"no route {path}; the OpenAI API is under /v1")
@@ -207,6 +215,21 @@ class Gateway:
             self.version.override = version
         self.admission.resume()
         return web.json_response(200, self.status())
+
+    def _reward(self, request: web.Request, ids: dict) -> web.Response:
+        """``POST /rollouts/{id}/reward``: the rollout's reward, to the collector (rollout/rewards.py)."""
+        if request.method != "POST":
+            raise web.HTTPError(405, "use POST on /rollouts/{id}/reward", {"Allow": "POST"})
+        if not ids.get(semconv.ROLLOUT_ID):
+            raise web.HTTPError(400, "a session reward's path names its rollout: POST /rollouts/{id}/reward")
+        try:
+            reward = reward_doc(ids, request.json(MAX_BODY_BYTES))
+        except BadReward as e:
+            self.admission.count("rewards_refused")
+            return web.json_response(400, {"error": str(e), "param": e.field})
+        status, answer, headers = self.rewards.post(reward)
+        self.admission.count("rewards_posted" if status == 200 else "rewards_refused")
+        return web.json_response(status, answer, headers)
 
     # --- upstream ----------------------------------------------------------------------------
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:

@@ -26,6 +26,12 @@ class GatewayConfig:
     host: str = option("127.0.0.1", "Bind address. Off loopback the admin routes need admin_token.")
     port: int = option(8100, "HTTP port agents call (their OPENAI_BASE_URL is http://HOST:PORT/v1).")
     otlp_endpoint: str = option("http://127.0.0.1:4317", "Collector OTLP/gRPC endpoint the spans go to.")
+    collector_api_url: str = option(
+        "http://127.0.0.1:8321", "The collector's API (its api_port): POST /rollouts/{id}/reward is posted to its "
+                                 "POST /v1/rewards as the agent's reward (rollout/rewards.py).")
+    collector_token: str = option(
+        "", "The collector's auth_token, if it has one, sent with each reward the gateway posts. Never its "
+            "reward_token: a session reward is the agent's own.", env="LIGHTSPAN_COLLECTOR_AUTH_TOKEN")
     service_name: str = option("lightspan-gateway", "service.name of the gateway's spans.")
     data_dir: str = option(DEFAULT_DATA_DIR, "Data directory; its policy.json gives the served policy version.",
                            env=DATA_DIR_ENV)
@@ -55,6 +61,9 @@ class GatewayConfig:
                                          "(408 past it; the connection is closed).")
 
     def __post_init__(self):
+        if not urlsplit(self.collector_api_url).scheme.startswith("http"):
+            raise ConfigError("gateway", "collector_api_url", f"{self.collector_api_url!r} is not an http(s) URL",
+                              "pass --collector-api-url http://HOST:PORT (the collector's API port)")
         if not urlsplit(self.upstream).scheme.startswith("http"):
             raise ConfigError("gateway", "upstream", f"{self.upstream!r} is not an http(s) URL",
                               "pass --upstream http://HOST:PORT (the vLLM server)")

@@ -11,7 +11,8 @@ protocol is a row of the protocol table; its path is served here by that.
 
 :func:`route` reads the rollout, task and split from a URL prefix (``/rollouts/{id}/tasks/{id}/
 splits/{split}/v1/...``, in any order); :func:`call_attributes` lets headers win over it, and adds
-the agent's name from ``x-lightspan-agent``.
+the agent's name from ``x-lightspan-agent``. :func:`reward_route` reads the same prefix before
+``/reward``, the session reward route (:mod:`lightspan.rollout.rewards`).
 Everything here is a function of its arguments: no I/O.
 """
 
@@ -30,6 +31,7 @@ HEADER_ROLLOUT_ID = "x-lightspan-rollout-id"
 HEADER_TASK_ID = "x-lightspan-task-id"
 HEADER_SPLIT = "x-lightspan-split"
 _PREFIX = re.compile(r"^((?:/(?:rollouts|tasks|splits)/[^/]+)*)(/v1(?:/.*)?)$")
+_REWARD = re.compile(r"^((?:/(?:rollouts|tasks|splits)/[^/]+)*)/reward$")
 _PREFIX_KEYS = {"rollouts": semconv.ROLLOUT_ID, "tasks": semconv.TASK_ID, "splits": semconv.SPLIT}
 _HEADER_KEYS = {HEADER_ROLLOUT_ID: semconv.ROLLOUT_ID, HEADER_TASK_ID: semconv.TASK_ID, HEADER_SPLIT: semconv.SPLIT}
 
@@ -64,10 +66,21 @@ def route(path: str) -> tuple[dict[str, str], str] | None:
     m = _PREFIX.match(parts.path)
     if m is None:
         return None
-    attrs, segments = {}, m.group(1).strip("/").split("/") if m.group(1) else []
+    return _prefix_attributes(m.group(1)), m.group(2) + (f"?{parts.query}" if parts.query else "")
+
+
+def reward_route(path: str) -> dict[str, str] | None:
+    """The rollout/task/split attributes of a session reward path (``/rollouts/{id}/reward``, the
+    prefix as :func:`route` reads it; ``path`` as sent), or None if ``path`` is not one."""
+    m = _REWARD.match(urlsplit(path).path)
+    return None if m is None else _prefix_attributes(m.group(1))
+
+
+def _prefix_attributes(prefix: str) -> dict[str, str]:
+    attrs, segments = {}, prefix.strip("/").split("/") if prefix else []
     for key, value in zip(segments[::2], segments[1::2]):
         attrs[_PREFIX_KEYS[key]] = unquote(value)
-    return attrs, m.group(2) + (f"?{parts.query}" if parts.query else "")
+    return attrs
 
 
 def endpoint(upstream: str) -> Endpoint | None:

@@ -336,3 +336,28 @@ def test_a_repeated_agent_or_rollout_header_is_its_first_value(gateway_factory, 
     (span,) = gw.exporter.get_finished_spans()
     assert span.attributes["gen_ai.agent.name"] == "first"
     assert span.attributes["lightspan.rollout.id"] == "r1"
+
+
+def test_the_session_reward_route_cannot_post_a_persons_or_the_judges_score(gateway_factory, upstream,
+                                                                            collector_factory, data_dir):
+    """A harness behind the gateway reports its reward at POST /rollouts/{id}/reward (rollout/rewards.py).
+    Whatever it sends, the reward is the agent's own: the body cannot name a source, another rollout or
+    an id, and the gateway holds no reward token. Here the collector has no reward token at all, so a
+    post straight to its API could claim any source: through the gateway it still cannot."""
+    from tests.collector.helpers import query
+
+    collector = collector_factory()
+    gw = gateway_factory(upstream, collector_api_url=f"http://127.0.0.1:{collector.api_port}")
+    url = f"{gw.url}/rollouts/r-1/reward"
+    for forged in ({"value": 1.0, "source": "human"}, {"value": 1.0, "source": "judge", "name": "judge"},
+                   {"value": 1.0, "rollout_id": "r-2"}, {"value": 1.0, "id": "correction-1"},
+                   {"value": 1.0, "comment": "a person said so"}):
+        answer = requests.post(url, json=forged, timeout=10)
+        assert answer.status_code == 400, (forged, answer.text)
+    # a source in the query string or a header is not read either
+    answer = requests.post(url + "?source=human", json={"value": 0.5},
+                           headers={"X-Lightspan-Reward-Source": "human"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    collector.flush()
+    assert query(data_dir, "SELECT rollout_key, source, reward FROM rewards") == [("r-1", "agent", 0.5)]
+    assert upstream.requests == []                 # nothing of it went to vLLM
