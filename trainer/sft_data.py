@@ -2,8 +2,8 @@
 the policy's chat template (trainer/sft.py trains on them).
 
 A call to a hosted model carries its messages (``gen_ai.input.messages``, ``gen_ai.output.messages``,
-and, where the instrumentation records them, ``gen_ai.system_instructions`` and
-``gen_ai.tool.definitions``) but no token ids. Each selected call becomes one :class:`Example`:
+and, where the instrumentation records them, ``gen_ai.system_instructions`` and the tool definitions,
+``gen_ai.tool.definitions`` or traceloop's ``llm.request.functions.*``) but no token ids. Each selected call becomes one :class:`Example`:
 
 1. Selection is SQL: a predicate over the ``sft_calls`` view (:func:`connect`), every column of
    ``llm_calls`` plus the call's rewards: ``call_reward`` (the sum of the rewards the store's
@@ -45,6 +45,9 @@ REASONS = {
                   "off: turn it on in the instrumentation, e.g. OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)",
     "not_json": "gen_ai.input.messages / gen_ai.output.messages (or the tool definitions) are not a JSON list",
     "no_reply": "the output has no assistant message with text or a tool call",
+    "no_tool_definitions": "the conversation has tool calls or tool results but the call's tool definitions were not "
+                           "captured (gen_ai.tool.definitions, or traceloop's llm.request.functions.*): trained "
+                           "without them, the prompt would differ from the one the agent sends",
     "unsupported_part": "a message part the chat template cannot take (image, file, reasoning, ...)",
     "template_error": "the chat template raised on the conversation (a role or an order it refuses)",
     "template_drops_tools": "the call offered tools and the policy's chat template does not render them",
@@ -57,7 +60,8 @@ REASONS = {
 
 SELECT_SQL = """
 SELECT trace_id, span_id, input_messages, output_messages,
-       attributes['gen_ai.tool.definitions'] AS tools, attributes['gen_ai.system_instructions'] AS system
+       attributes['gen_ai.tool.definitions'] AS tools, attributes['gen_ai.system_instructions'] AS system,
+       list_filter(map_entries(attributes), lambda e: starts_with(e.key, 'llm.request.functions.')) AS functions
 FROM sft_calls WHERE ({predicate}) ORDER BY start_time_unix_nano, trace_id, span_id
 """
 _CALLS_SQL = """
@@ -129,7 +133,7 @@ def connect(data_dir):
 
 def select(con, predicate: str, *, field: str) -> list[tuple]:
     """The calls of ``sft_calls`` that ``predicate`` selects, oldest first: (trace_id, span_id,
-    input_messages, output_messages, tools, system). A bad predicate is a ConfigError naming ``field``."""
+    input_messages, output_messages, tools, system, traceloop's function attributes). A bad predicate is a ConfigError naming ``field``."""
     import duckdb
 
     try:
@@ -228,8 +232,24 @@ def _arguments(value):
     return value
 
 
-def conversation(input_messages, output_messages, tools=None, system=None) -> tuple[list, dict, list | None]:
-    """(prompt messages, the reply, tools) of one call, from its captured attributes' JSON text."""
+def _functions(entries) -> list | None:
+    """traceloop's tool definitions (``llm.request.functions.<i>.name``, ``.description``, ``.parameters``;
+    attribute map entries, JSON-encoded values) as chat-template tools."""
+    by_index: dict[int, dict] = {}
+    for entry in entries or ():
+        index, _, field = entry["key"][len("llm.request.functions."):].partition(".")
+        if index.isdigit() and field in ("name", "description", "parameters"):
+            value = _json(entry["value"], "messages")          # decoded once: the map's encoding
+            if field == "parameters" and isinstance(value, str):
+                value = _json(value, "messages")               # traceloop writes the schema as JSON text
+            by_index.setdefault(int(index), {})[field] = value
+    return [{"type": "function", "function": f} for _, f in sorted(by_index.items())] or None
+
+
+def conversation(input_messages, output_messages, tools=None, system=None,
+                 functions=None) -> tuple[list, dict, list | None]:
+    """(prompt messages, the reply, tools) of one call, from its captured attributes' JSON text
+    (``functions``: traceloop's tool attributes, used when ``tools`` is not there)."""
     if input_messages is None or output_messages is None:
         raise Unrenderable("no_content", "gen_ai.input.messages or gen_ai.output.messages was not captured")
     inputs, outputs = _json(input_messages, "messages"), _json(output_messages, "messages")
@@ -255,6 +275,10 @@ def conversation(input_messages, output_messages, tools=None, system=None) -> tu
         # the conventions' {"type", "name", "parameters"}; templates take OpenAI's {"type", "function": {...}}
         tools = [t if "function" in t else {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                  for t in tools if isinstance(t, dict)] or None
+    elif functions:
+        tools = _functions(functions)
+    if not tools and any(m.get("tool_calls") or m["role"] == "tool" for m in messages + [reply]):
+        raise Unrenderable("no_tool_definitions", "tool calls without the tools they call")
     return messages, reply, tools
 
 
@@ -297,9 +321,9 @@ def examples(rows: list[tuple], tokenizer, *, max_length: int) -> tuple[list[Exa
     """Selected rows (:func:`select`) -> examples, deduplicated on the rendered conversation, and the
     counts: ``unrenderable/<reason>`` and ``duplicates``."""
     out, seen, counts = [], set(), Counter()
-    for trace_id, span_id, inputs, outputs, tools, system in rows:
+    for trace_id, span_id, inputs, outputs, tools, system, *functions in rows:
         try:
-            messages, reply, tool_list = conversation(inputs, outputs, tools, system)
+            messages, reply, tool_list = conversation(inputs, outputs, tools, system, *functions)
             example = render(tokenizer, messages, reply, tool_list, max_length=max_length, key=(trace_id, span_id))
         except Unrenderable as exc:
             counts[f"unrenderable/{exc.reason}"] += 1

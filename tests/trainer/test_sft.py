@@ -109,6 +109,12 @@ def test_tool_calls_and_tool_definitions_render_and_only_the_call_is_trained():
     expected = "<tool_call>" + json.dumps({"name": "weather", "arguments": captured_call["arguments"]}) + "</tool_call>"
     assert tok.decode(masked_in(example), skip_special_tokens=True) == expected
 
+    # the same tools as traceloop's instrumentation records them (llm.request.functions.<i>.*)
+    functions = [{"key": f"llm.request.functions.0.{k}", "value": json.dumps(json.dumps(WEATHER[k]) if k == "parameters"
+                                                                             else WEATHER[k])}
+                 for k in ("name", "description", "parameters")]
+    assert sft_data.conversation(inputs, outputs, None, None, functions) == call
+
     # a template that drops tools cannot train this call: counted, not trained
     plain = tokenizer(CHATML_TEMPLATE)
     with pytest.raises(sft_data.Unrenderable) as err:
@@ -156,6 +162,7 @@ def test_unrenderable_calls_are_counted_by_reason_and_duplicates_once():
             row(good[0], json.dumps([{"role": "user", "parts": [{"type": "text", "content": "x"}]}])),
             row("{not json", good[1]),
             row(*captured([{"role": "user", "content": "x" * 300}], "long")),
+            row(*captured([{"role": "user", "content": "Weather?"}], None, tool_calls=[("weather", {})])),
             row(*captured([{"role": "user", "content": "Weather?"}], None, tool_calls=[("weather", {})]),
                 tools_attribute(WEATHER)),
             ]
@@ -166,7 +173,8 @@ def test_unrenderable_calls_are_counted_by_reason_and_duplicates_once():
     assert [e.key for e in found] == [("t", "a"), ("t", "s")]
     assert dict(counts) == {"duplicates": 1, "unrenderable/no_content": 2, "unrenderable/unsupported_part": 1,
                             "unrenderable/template_error": 1, "unrenderable/no_reply": 1,
-                            "unrenderable/not_json": 1, "unrenderable/too_long": 1}
+                            "unrenderable/not_json": 1, "unrenderable/too_long": 1,
+                            "unrenderable/no_tool_definitions": 1}
     assert dict(plain_counts) == {"unrenderable/template_drops_tools": 1}
     assert set(k.split("/", 1)[1] for k in counts if "/" in k) <= set(sft_data.REASONS)
 
@@ -337,3 +345,22 @@ def test_the_sft_checkpoint_syncs_into_vllm_with_a_new_policy_version(vllm_serve
     assert diff < 1e-4
     published = store.policy.read(cfg.data_dir)
     assert published.version == 1 and Path(published.path).name == "v000001"
+
+
+def test_the_command_prints_its_summary_and_fails_when_nothing_is_trainable(tmp_path, tiny_model):
+    import subprocess
+    import sys
+
+    hosted_store(tmp_path / "data")
+    base = [sys.executable, "-m", "lightspan.cli", "train", "--algo", "sft", "--data-dir", str(tmp_path / "data"),
+            "--model", str(tiny_model), "--sync", "none", "--metrics-port", "0", "--torch-threads", "1"]
+
+    done = subprocess.run(base + ["--select", "human_reward >= 1"], capture_output=True, text=True, timeout=600)
+    nothing = subprocess.run(base + ["--select", "human_reward < 0"], capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(base + ["--mode", "continuous"], capture_output=True, text=True, timeout=600)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["train/sft/examples"] == 4 and summary["train/sft/policy_version"] == 1
+    assert nothing.returncode == 1 and json.loads(nothing.stdout)["train/sft/calls_selected"] == 0
+    assert bad.returncode == 2 and "trainer.mode" in bad.stderr
