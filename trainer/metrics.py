@@ -43,12 +43,17 @@ GAUGES: dict[str, tuple[str, str]] = {
                            "(forward, backward, optimizer; not the sync)."), "tokens_per_second"),
     "staleness_mean": (("Mean policy versions between the trainer and the policy that sampled the last "
                         "step's transitions."), "staleness_mean"),
+    "micro_batch_tokens": (("Padded tokens one forward/backward pass of the last step could hold: micro_batch_tokens, "
+                            "or the budget derived from max_memory_gb and the model's size."), "micro_batch_tokens"),
+    "micro_batches": ("Forward/backward passes (micro-batches) of the last step on this rank.", "micro_batches"),
 }
 # name (without PREFIX, with _total) -> (HELP, the row key added per step, or None)
 COUNTERS: dict[str, tuple[str, str | None]] = {
     "transitions_trained_total": ("Transitions trained on.", "num_transitions"),
     "transitions_skipped_stale_total": (("Transitions skipped as more than max_staleness versions old "
                                          "(or of unknown version)."), "skipped_stale"),
+    "transitions_masked_total": (("Transitions left out with loss weight 0 (the rows of a rollout the builder "
+                                  "masked: in its group's baseline, not in the loss)."), "masked"),
     "sync_failures_total": ("Weight syncs that failed (SyncError).", None),
     "entropy_below_floor_total": ("Steps whose mean per-token entropy fell below entropy_floor (exploration "
                                   "collapsing).", "entropy_below_floor"),
