@@ -73,11 +73,16 @@ def _train(cfg, args) -> int:
         from lightspan.trainer.driver import run
 
         return run(cfg)
+    from lightspan.inference import model_chat_template
+    from lightspan.models import renders_tools, with_tool_rendering
     from lightspan.trainer.sft import run
     from lightspan.trainer.sync import SyncError
 
+    # render the calls as lightspan vllm serves the model: its template, wrapped when it drops tools
+    template = None if cfg.chat_template else model_chat_template(cfg.model)
+    served = with_tool_rendering(template) if template is not None and not renders_tools(template) else None
     try:
-        summary = run(cfg)
+        summary = run(cfg, chat_template=served)
     except SyncError as exc:          # the checkpoint stays saved; the next start publishes it
         logging.getLogger("lightspan").error("%s", exc)
         return 1

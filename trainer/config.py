@@ -145,6 +145,9 @@ class TrainerConfig:
                              "token accuracy and exact match of the reply under teacher forcing) and never trained "
                              "on; a SQL condition as for select. Empty: no held-out evaluation.")
     sft_epochs: int = option(1, "--algo sft: passes over the selected calls.")
+    chat_template: str = option("", "--algo sft: a Jinja chat template file to render the calls with: the one vLLM "
+                                "serves (lightspan vllm --chat-template FILE). Empty: the model's own, and, when it "
+                                "drops tools, wrapped to render them as lightspan vllm serves it.")
     sft_max_length: int = option(0, "--algo sft: a call whose prompt + reply is longer (tokens) is counted as "
                                  "too_long and not trained; 0: the model's max_position_embeddings.")
     # reproducibility and housekeeping
@@ -249,6 +252,8 @@ class TrainerConfig:
                 fail("policies", "'sft' trains one policy", "run --algo sft without --policies")
             if not self.select.strip():
                 fail("select", "is empty", "pass a SQL condition over sft_calls, e.g. --select \"human_reward >= 1\"")
+            if self.chat_template and not Path(self.chat_template).is_file():
+                fail("chat_template", f"{self.chat_template} is not a file", "pass the Jinja template file vLLM serves")
             if self.sft_epochs < 1 or self.sft_max_length < 0:
                 name = "sft_epochs" if self.sft_epochs < 1 else "sft_max_length"
                 fail(name, f"must be >= {int(name == 'sft_epochs')}, got {getattr(self, name)}",

@@ -38,6 +38,7 @@ import logging
 import random
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from trl.trainer.utils import selective_log_softmax
@@ -126,8 +127,10 @@ def fit(accelerator, model, optimizer, examples: list[Example], config: TrainerC
     return {"epoch_losses": epoch_losses, "optimizer_steps": steps, "grad_norm": grad_norm, "tokens": trained}
 
 
-def run(config: TrainerConfig, *, trainer: Trainer | None = None) -> dict:
-    """One SFT run (module docstring); returns its summary: the ``train/sft/*`` metrics."""
+def run(config: TrainerConfig, *, trainer: Trainer | None = None, chat_template: str | None = None) -> dict:
+    """One SFT run (module docstring); returns its summary: the ``train/sft/*`` metrics. The calls are
+    rendered with ``config.chat_template``'s file, else ``chat_template`` (the template vLLM serves,
+    which the CLI knows), else the tokenizer's own."""
     t0 = time.monotonic()
     if trainer is None:
         if config.torch_threads:
@@ -138,6 +141,8 @@ def run(config: TrainerConfig, *, trainer: Trainer | None = None) -> dict:
         raise ConfigError("trainer", "algo", "'sft' runs in one process", "run lightspan train --algo sft "
                           "without accelerate launch")
     tokenizer = trainer.tokenizer
+    if tokenizer is not None and (config.chat_template or chat_template):
+        tokenizer.chat_template = Path(config.chat_template).read_text() if config.chat_template else chat_template
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ConfigError("trainer", "model", f"{trainer.model_source} has no tokenizer with a chat template, "
                           "which SFT renders the captured calls with", "pass a --model directory whose tokenizer "

@@ -364,3 +364,31 @@ def test_the_command_prints_its_summary_and_fails_when_nothing_is_trainable(tmp_
     assert summary["train/sft/examples"] == 4 and summary["train/sft/policy_version"] == 1
     assert nothing.returncode == 1 and json.loads(nothing.stdout)["train/sft/calls_selected"] == 0
     assert bad.returncode == 2 and "trainer.mode" in bad.stderr
+
+
+def test_calls_render_with_the_template_vllm_serves(tmp_path, tiny_model, capsys):
+    from lightspan.cli import main
+
+    # a model whose own template drops tools: lightspan vllm serves it wrapped to render them
+    model = shutil.copytree(tiny_model, tmp_path / "plain-model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML_TEMPLATE}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    data = tmp_path / "data"
+    inputs, outputs = captured([{"role": "user", "content": "Weather in Oslo?"}], None,
+                               tool_calls=[("weather", {"city": "Oslo"})])
+    rows = [span_row("d" * 32, "chat gpt-hosted", 0, operation_name="chat", input_messages=inputs,
+                     output_messages=outputs, attributes=[("gen_ai.tool.definitions", json.dumps(json.dumps([WEATHER])))])]
+    store.write_table(data, "spans", pa.Table.from_pylist(rows, schema=store.SPAN_SCHEMA), partition="date=2026-12-04")
+    template_file = tmp_path / "served.jinja"
+    template_file.write_text(TOOLS_TEMPLATE)
+    args = dict(select="true", val_select="", sft_epochs=1)
+
+    own = sft.run(sft_config(tmp_path, model, output_dir=str(tmp_path / "a"), **args))
+    given = sft.run(sft_config(tmp_path, model, output_dir=str(tmp_path / "b"), chat_template=str(template_file), **args))
+    code = main(["train", "--algo", "sft", "--data-dir", str(data), "--model", str(model), "--sync", "none",
+                 "--select", "true", "--val-select", "", "--output-dir", str(tmp_path / "c"), "--metrics-port", "0"])
+
+    assert own["train/sft/unrenderable/template_drops_tools"] == 1 and own["train/sft/examples"] == 0
+    assert given["train/sft/examples"] == 1
+    assert code == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["train/sft/examples"] == 1
