@@ -14,7 +14,8 @@ settings ``bench/learning_vs_trl.py`` gives each (:func:`learning_vs_trl.trl_con
    sampling policy's logprobs of the sampled tokens (lightspan's ``token_logprobs`` on TRL's weights
    at that moment, tempered), TRL's own ``_get_per_token_logps_and_entropies`` on the same tokens,
    the pre-clip gradient norm and learning rate TRL logs, and the adapter's weights after each step.
-2. **lightspan** trains on those batches: transitions built as the store holds them (prompt and
+2. **lightspan** trains on those batches, twice from the same start: as its trainer does now, and as
+   it did before issue 33 (the zero-advantage sequences left out of the loss's normaliser): transitions built as the store holds them (prompt and
    completion ids, the sampling logprobs as vLLM's recorded ``completion_logprobs``, temperature 0.7,
    the advantage of ``lightningrl.advantages.grpo`` over the rewards, rows with advantage 0 left out
    as ``trainer.batches.next_batch`` leaves them out), one ``trainer.step.optimise`` per batch.
@@ -151,10 +152,12 @@ def run_trl(args, model_dir: str, work: Path) -> tuple[dict, list[dict], list[di
 
 # --- lightspan: its trainer step on the same batches ------------------------------------------------
 
-def transitions(batch: dict, *, group_size: int, epsilon: float, temperature: float, step: int) -> pa.Table:
+def transitions(batch: dict, *, group_size: int, epsilon: float, temperature: float, step: int):
     """The batch as the store's transitions: lightningrl's rollout-level GRPO advantages, one group per
-    prompt (``group_size`` consecutive completions), rows with advantage 0 left out as next_batch does."""
+    prompt (``group_size`` consecutive completions), rows with advantage 0 left out as next_batch does;
+    and the totals of those left out (next_batch's ``Batch.zero_totals``: sequences, tokens, longest)."""
     from lightspan.lightningrl.advantages import grpo
+    from lightspan.trainer.loss import BatchTotals
 
     n = len(batch["rewards"])
     groups = [i // group_size for i in range(n)]
@@ -166,10 +169,15 @@ def transitions(batch: dict, *, group_size: int, epsilon: float, temperature: fl
              "advantage": float(advantages[i]), "created_unix_nano": i}
             for i in range(n)]
     batch["lightspan_advantages"] = advantages.tolist()
-    return pa.Table.from_pylist([r for r in rows if r["advantage"] != 0])
+    zero = [len(r["completion_token_ids"]) for r in rows if r["advantage"] == 0]
+    return (pa.Table.from_pylist([r for r in rows if r["advantage"] != 0]),
+            BatchTotals(len(zero), sum(zero), max(zero, default=0)))
 
 
-def run_lightspan(args, model_dir: str, start: dict, batches: list[dict], work: Path) -> tuple[dict, list[dict]]:
+def run_lightspan(args, model_dir: str, start: dict, batches: list[dict], work: Path, *,
+                  count_zero: bool) -> tuple[dict, list[dict]]:
+    """lightspan's steps on ``batches``; ``count_zero``: with the zero-advantage sequences in the loss's
+    normaliser (next_batch's ``zero_totals``, as since issue 33), else without them (as before)."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -196,13 +204,16 @@ def run_lightspan(args, model_dir: str, start: dict, batches: list[dict], work: 
     records, before = [], _adapter(model)
     cpu = 0.0
     for k, b in enumerate(batches):
-        table = transitions(b, group_size=args.samples, epsilon=epsilon, temperature=0.7, step=k)
+        table, zero = transitions(b, group_size=args.samples, epsilon=epsilon, temperature=0.7, step=k)
         if not table.num_rows:
             records.append({"skipped": "every advantage 0: lightspan takes no step", "delta": torch.zeros_like(
                 _flat(before))})
             continue
         c0 = time.process_time()
-        metrics = optimise(accelerator, model, optimizer, Batch(table=table, cursor=Cursor()), cfg,
+        batch = Batch(table=table, cursor=Cursor(), zero_advantage=zero.num_sequences)
+        if count_zero:
+            batch.zero_totals = zero
+        metrics = optimise(accelerator, model, optimizer, batch, cfg,
                            pad_id=int(model.config.pad_token_id or 0))
         cpu += time.process_time() - c0
         after = _adapter(model)
@@ -219,9 +230,10 @@ def run_lightspan(args, model_dir: str, start: dict, batches: list[dict], work: 
 
 # --- the comparison ---------------------------------------------------------------------------------
 
-def compare(batches: list[dict], trl: list[dict], ls: list[dict], group_size: int) -> list[dict]:
+def compare(batches: list[dict], trl: list[dict], ls: list[dict], before: list[dict], group_size: int) -> list[dict]:
+    """Per step: TRL against lightspan (its normaliser as fixed in issue 33) and lightspan as before."""
     rows = []
-    for k, (b, t, s) in enumerate(zip(batches, trl, ls)):
+    for k, (b, t, s, s0) in enumerate(zip(batches, trl, ls, before)):
         trl_adv, ls_adv = np.array(b["trl_advantages"]), np.array(b["lightspan_advantages"])
         nonzero = int(np.count_nonzero(ls_adv))
         lengths = np.array([len(c) for c in b["completion_token_ids"]])
@@ -234,14 +246,16 @@ def compare(batches: list[dict], trl: list[dict], ls: list[dict], group_size: in
             "advantage_scale_trl_over_lightspan": float(np.abs(trl_adv).sum() / max(np.abs(ls_adv).sum(), 1e-12)),
             "advantage_max_abs_diff": float(np.abs(trl_adv - ls_adv).max()),
             # the grpo loss divides the sum of per-sequence means by this many sequences
-            "loss_divides_by": {"trl": len(lengths), "lightspan": nonzero},
-            "grad_norm_preclip": {"trl": t.get("grad_norm"), "lightspan": s.get("grad_norm")},
+            "loss_divides_by": {"trl": len(lengths), "lightspan": len(lengths), "lightspan_before": nonzero},
+            "grad_norm_preclip": {"trl": t.get("grad_norm"), "lightspan": s.get("grad_norm"),
+                                  "lightspan_before": s0.get("grad_norm")},
             "lr": t.get("lr"),
             "logprob_max_abs_diff_trl_vs_lightspan": b["logprob_max_abs_diff"],
             "is_ratio_mean_lightspan": s.get("is_ratio_mean"), "is_truncated_lightspan": s.get("is_truncated"),
-            "update_norm": {"trl": tn, "lightspan": sn},
+            "update_norm": {"trl": tn, "lightspan": sn, "lightspan_before": float(s0["delta"].norm())},
             "update_cosine": _cosine(t["delta"], s["delta"]) if tn and sn else None,
-            "entropy": {"trl": t.get("entropy"), "lightspan": s.get("entropy")},
+            "update_cosine_before": _cosine(t["delta"], s0["delta"]) if tn and float(s0["delta"].norm()) else None,
+            "entropy": {"trl": t.get("entropy"), "lightspan": s.get("entropy"), "lightspan_before": s0.get("entropy")},
         }
         if "skipped" in s:
             row["lightspan_skipped"] = s["skipped"]
@@ -268,8 +282,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-step-compare-") as work:
         start, batches, trl = run_trl(args, model_dir, Path(work))
         trl_opt, trl_steps = trl[0], trl[1:]
-        ls_opt, ls_steps = run_lightspan(args, model_dir, start, batches, Path(work))
-    rows = compare(batches, trl_steps, ls_steps, args.samples)
+        ls_opt, ls_steps = run_lightspan(args, model_dir, start, batches, Path(work), count_zero=True)
+        _, ls_before = run_lightspan(args, model_dir, start, batches, Path(work), count_zero=False)
+    rows = compare(batches, trl_steps, ls_steps, ls_before, args.samples)
     print(f"optimizer  TRL: {json.dumps(trl_opt)}\n      lightspan: {json.dumps(ls_opt)}")
     for r in rows:
         print(json.dumps(r))

@@ -48,6 +48,9 @@ class Batch:
     skipped_stale: int = 0            # model_version < version - max_staleness, or unknown
     skipped_malformed: int = 0        # no tokens, logprobs misaligned or not finite, ids outside the vocab, too long
     zero_advantage: int = 0           # no gradient: left out of the forward pass
+    # ... but in the loss's normaliser: the zero-advantage sequences consumed with the batch, which
+    # GRPO's 1/G (and DAPO's token count) include as TRL does (trainer/loss.py, deviation 4)
+    zero_totals: BatchTotals = BatchTotals(0, 0, 0)
     masked: int = 0                   # loss weight 0 (a masked rollout's rows): left out of the forward pass
     reward_mean: float | None = None  # over the rollouts of the fresh transitions consumed
     staleness_mean: float = 0.0       # version - model_version over the trained rows
@@ -283,13 +286,35 @@ SELECT transition_id, created_unix_nano, rollout_id, reward, model_version,
                 AND list_count(completion_logprobs) = len(completion_logprobs)
                 AND isfinite(list_sum(completion_logprobs))
                 AND isfinite(coalesce(advantage, 0)), false) AS wellformed,
-       coalesce(advantage, 0) <> 0 AS nonzero, {masked} AS masked
+       coalesce(advantage, 0) <> 0 AS nonzero, {masked} AS masked,
+       len(completion_token_ids) AS completion_len,
+       coalesce(list_sum(completion_mask), len(completion_token_ids)) AS trained_len
 FROM transitions
 WHERE coalesce(split, 'train') = 'train'
   AND ($policy::VARCHAR IS NULL OR policy = $policy::VARCHAR)
   AND (created_unix_nano > $created OR (created_unix_nano = $created AND transition_id > $tid))
 QUALIFY row_number() OVER (PARTITION BY transition_id ORDER BY created_unix_nano DESC) = 1
 """
+# the zero-advantage sequences consumed up to the cutoff (Batch.zero_totals): sequences, trained
+# tokens, longest completion; a sequence is a transition or, under loss_normalisation 'rollout', a
+# rollout none of whose rows is trained (a trained rollout's zero rows, which only discounted credit
+# makes, are left out of its size)
+_ZERO_SQL = """
+WITH z AS (SELECT {key} AS seq, sum(trained_len) AS tokens, sum(completion_len) AS length FROM new
+           WHERE fresh AND wellformed AND NOT nonzero AND NOT masked AND {upto} {exclude}
+           GROUP BY 1)
+SELECT count(*), coalesce(sum(tokens), 0)::BIGINT, coalesce(max(length), 0)::BIGINT FROM z
+"""
+_ROLLOUT_KEY = "coalesce(nullif(rollout_id, ''), transition_id)"    # batches' step_totals' key
+
+
+def _zero_sql(normalisation: str) -> str:
+    if normalisation == "transition":
+        return _ZERO_SQL.format(key="transition_id", upto=_UPTO, exclude="")
+    trained = f"SELECT {_ROLLOUT_KEY} FROM new WHERE fresh AND wellformed AND nonzero AND NOT masked AND {_UPTO}"
+    return _ZERO_SQL.format(key=_ROLLOUT_KEY, upto=_UPTO, exclude=f"AND {_ROLLOUT_KEY} NOT IN ({trained})")
+
+
 _UPTO = "(created_unix_nano < $created OR (created_unix_nano = $created AND transition_id <= $tid))"
 # the builder's per-row loss weight and outcome (lightningrl: a masked rollout's rows weigh 0); a
 # store whose transitions predate them has neither column, and every row is trained
@@ -328,6 +353,7 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
                    count(*) FILTER (WHERE fresh AND wellformed AND NOT nonzero),
                    count(*) FILTER (WHERE fresh AND wellformed AND nonzero AND masked)
             FROM new WHERE {_UPTO}""", upto).fetchall()[0]
+        zero_totals = BatchTotals(*con.execute(_zero_sql(config.loss_normalisation), upto).fetchall()[0])
         reward_mean = con.execute(f"""
             SELECT avg(reward) FROM (SELECT any_value(reward) AS reward FROM new
                                      WHERE fresh AND {_UPTO} GROUP BY rollout_id)""", upto).fetchall()[0][0]
@@ -349,4 +375,5 @@ def next_batch(data_dir: str | os.PathLike, config: TrainerConfig, *, version: i
         table = table.take(np.sort(first))
     staleness = version - pc.cast(table.column("model_version"), pa.float64()).to_numpy()
     return Batch(table=table, cursor=cutoff, skipped_stale=stale, skipped_malformed=malformed,
-                 zero_advantage=zero, masked=masked, reward_mean=reward_mean, staleness_mean=float(staleness.mean()))
+                 zero_advantage=zero, zero_totals=zero_totals, masked=masked, reward_mean=reward_mean,
+                 staleness_mean=float(staleness.mean()))

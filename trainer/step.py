@@ -26,7 +26,7 @@ from lightspan.trainer import distributed as dist
 from lightspan.trainer.batches import Batch, micro_batches, step_totals
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import reference
-from lightspan.trainer.loss import policy_loss, token_logprobs
+from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.memory import step_budget
 
 
@@ -38,6 +38,12 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     t0 = time.monotonic()
     model.train()
     totals, table = step_totals(batch.table, cfg.loss_normalisation)     # the whole batch's, before the cut
+    trained_tokens = totals.num_tokens
+    # the zero-advantage sequences next_batch left out of the forward pass still count in what the
+    # loss divides by, as in GRPO's 1/G (trainer/loss.py, deviation 4)
+    zero = batch.zero_totals
+    totals = BatchTotals(totals.num_sequences + zero.num_sequences, totals.num_tokens + zero.num_tokens,
+                         max(totals.max_completion_length, zero.max_completion_length))
     budget = cfg.micro_batch_tokens or step_budget(cfg.max_memory_gb, accelerator.unwrap_model(model), optimizer)
     budget = dist.from_main(accelerator, budget)    # one cut on every rank: their passes must pair
     micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
@@ -84,15 +90,15 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
         optimizer.zero_grad(set_to_none=True)
     sums, loss_total, is_max = dist.across_ranks(accelerator, sums, loss_total, is_max)
 
-    weight = max(totals.num_tokens * cfg.num_iterations, 1)
+    weight = max(trained_tokens * cfg.num_iterations, 1)
     metrics = {key: value / weight for key, value in sums.items()}
     advantages = batch.table.column("advantage").to_pylist()     # one per transition
     signed = torch.tensor(advantages, dtype=torch.float64)
     metrics["advantage_std"] = float(signed.std(unbiased=False))
-    metrics["tokens_per_second"] = totals.num_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
+    metrics["tokens_per_second"] = trained_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
     metrics.update({
         "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
-        "num_transitions": batch.table.num_rows, "num_tokens": totals.num_tokens,
+        "num_transitions": batch.table.num_rows, "num_tokens": trained_tokens,
         "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(map(abs, advantages)) / len(advantages),
         "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
         "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
