@@ -76,9 +76,10 @@ def claim_uid() -> tuple[int, object]:
 
 
 def private_mounts() -> bool:
-    """Whether this process has a mount namespace of its own (not PID 1's)."""
+    """Whether this process has a mount namespace of its own, not its parent's (``unshare --mount`` execs
+    the agent in the same process, so the parent is whoever started the rollout)."""
     try:
-        return os.readlink("/proc/self/ns/mnt") != os.readlink("/proc/1/ns/mnt")
+        return os.readlink("/proc/self/ns/mnt") != os.readlink(f"/proc/{os.getppid()}/ns/mnt")
     except OSError:
         return False
 
