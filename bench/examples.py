@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,12 @@ def committed_tree(data_root: Path) -> tuple[str, Path]:
         tmp.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+        # lightspan.store etc. live in top-level folders (pyproject's package-dir); without these links the
+        # editable install's finder would import them from the shared tree, not from this one
+        package_dir = tomllib.loads((tmp / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        for package, folder in package_dir.items():
+            if package.startswith("lightspan.") and folder != package.replace(".", "/"):
+                (tmp / package.replace(".", "/")).symlink_to(Path("..", *package.split(".")[2:]) / folder)
         tmp.rename(tree)
     return commit, tree
 
