@@ -27,8 +27,9 @@ each side's parameter update norm and the cosine between the two updates, and th
 
 Generation is TRL's (transformers), not vLLM's: vLLM's logprobs match transformers' to 1e-5 on
 this model (docs/architecture.md), so the sampling logprobs are computed here instead.
-``--fake-rewards`` (for a random tiny model, whose replies never score) draws rewards 0 / 1 / 1.2 at
-random per completion, the same on both sides: a plumbing check, not a finding.
+``--fake-rewards`` (for a random tiny model, whose replies never score) draws each completion's reward
+at random, 1 or 1.2 a tenth of the time and 0 otherwise (about SmolLM2's start on the additions), the
+same on both sides: a check of the mechanics, not a finding about learning.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def run_trl(args, model_dir: str, work: Path) -> tuple[dict, list[dict], list[di
 
     def reward(completions, answer, **_):
         if args.fake_rewards:
-            return [fake.choice((0.0, 0.0, 1.0, 1.2)) for _ in completions]
+            # about SmolLM2's start on the additions: a tenth solved, so about half the groups of 8 informative
+            return [(1.2 if fake.random() < 0.5 else 1.0) if fake.random() < 0.1 else 0.0 for _ in completions]
         return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
 
     config, lora = lvt.trl_config(args, work)

@@ -58,7 +58,8 @@ def lightspan_side(args) -> list[dict]:
 
     cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=args.tasks_per_step,
                           samples=args.samples, val_tasks=args.val_tasks, model=args.model,
-                          data_dir=str(Path(args.work) / "lightspan"))
+                          data_dir=str(Path(args.work) / "lightspan"),
+                          **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     with tempfile.TemporaryDirectory() as tasks:
         exp = dataclasses.replace(demo.preset(cfg, Path(tasks)), cpu_budget_s=args.cpu_budget_s,
                                   val_every=args.eval_every, max_model_len=_max_len(args.model),
@@ -194,6 +195,7 @@ def lightspan_trainer_config(args, model_dir: str, work: Path):
 
     exp = demo.preset(demo.DemoConfig(seed=args.seed, steps=1, tasks_per_step=args.tasks_per_step,
                                       samples=args.samples, val_tasks=1, model=model_dir), work)
+    # batch_size 0 and sync as the experiment runs it; the staleness bound does not change one step
     return TrainerConfig(model=model_dir, data_dir=str(work / "lightspan-trainer"), seed=exp.seed,
                          learning_rate=exp.learning_rate, loss_type=exp.loss_type, beta=exp.beta,
                          max_staleness=exp.max_staleness, batch_size=0, lora_r=exp.lora_r,
@@ -258,6 +260,9 @@ def main() -> None:
     parser.add_argument("--model", default="", help="model directory (default: lightspan model smollm2's)")
     add_shared_options(parser)
     parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="lightspan's max_staleness (default: the demo's, 1: rollouts overlap training, one "
+                             "version stale; 0: lock-step, on-policy as TRL is)")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
