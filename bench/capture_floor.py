@@ -1,25 +1,34 @@
-"""Benchmark: the floor under the capture overhead of a non-streamed Responses call — what any
-client-side capture must pay, with none of lightspan's code — beside lightspan's overhead.
+"""Benchmark: the floor under lightspan's capture overhead per call — what any client-side capture
+must pay, with none of lightspan's code — beside lightspan's overhead, and their ratio, for a
+non-streamed Responses call and an Anthropic Messages call, plain and streamed.
 
-    .venv/bin/python bench/capture_floor.py [--calls 800] [--rounds 3]
+    .venv/bin/python bench/capture_floor.py [--calls 800] [--rounds 3] [--modes responses,messages,messages_stream]
 
 Same stub, agent process and tracing as bench/capture_overhead.py (traceloop's OpenAI
-instrumentation on, an exporter that encodes and drops), four arms, calls rotating among them:
+instrumentation on, the ``anthropic`` SDK's own tracing on, an exporter that encodes and drops),
+four arms per mode, calls rotating among them (each arm in each position alike):
 
-- ``without``: an openai client built before lightspan's instrumentor (the baseline);
-- ``data``: the same client, asking vLLM for what lightspan asks for (``enable_response_messages``,
-  the output text's logprobs: ``extra_body``), its answer decoded with orjson and those fields
-  emptied before the client builds its models, as lightspan does; nothing read, nothing recorded;
-- ``span``: ``data``, plus the one span a capture must open for the call (traceloop opens none for
-  an answer cut at its length limit, as the stub's is, and one only after the call for a
-  completed one): started before the request with the GenAI start attributes (the input
-  messages, as JSON), current during it, then the ids and logprobs read from the decoded answer,
-  packed, and set with the other attributes lightspan records, and ended;
+- ``without``: a client built before lightspan's instrumentor (the baseline; an Anthropic call goes
+  to ``/v1/messages``);
+- ``data``: what the capture asks vLLM for, with no code of lightspan's. Responses: the same
+  client asking for ``enable_response_messages`` and the output text's logprobs (``extra_body``),
+  its answer decoded with orjson and those fields emptied before the client builds its models, as
+  lightspan does; nothing read, nothing recorded. Anthropic (``/v1/messages`` gives no ids): the
+  call sent as the chat completion with the ids and logprobs, its answer made the Anthropic
+  message or events (bench/capture_floor_anthropic.py);
+- ``span``: ``data``, plus the span the capture must hold, recorded as lightspan does. Responses
+  (traceloop opens no span for an answer cut at its length limit, as the stub's is, and one only
+  after the call for a completed one): one span started before the request with the GenAI start
+  attributes (the input messages, as JSON), current during it, then the ids and logprobs read from
+  the decoded answer, packed, and set with the other attributes lightspan records, and ended.
+  Anthropic: those attributes set on the SDK's own span of the call (lightspan adopts it);
 - ``lightspan``: a client built after lightspan's instrumentor (captured).
 
-Reported per arm: the median CPU time of the calling thread per call, over ``--calls`` calls each,
-in each of ``--rounds`` rounds; the overhead of each arm against ``without``. ``span`` is a floor for
-lightspan: the bytes vLLM sends and the span the capture must hold.
+Reported per mode: the median CPU time of the calling thread per call per arm, over ``--calls``
+calls each, in each of ``--rounds`` rounds (the modes take turns within a round); the overhead of
+each arm against ``without``; the **ratio** of lightspan's overhead to the floor's (``span``'s), per
+round, and the median over rounds. ``span`` is the floor: the bytes vLLM sends, the caller's answer
+made of them and the span the capture must hold.
 """
 
 from __future__ import annotations
@@ -34,30 +43,42 @@ import orjson
 
 import capture_overhead as co
 
+import capture_floor_anthropic as fa
+
 ARMS = ("without", "data", "span", "lightspan")
+MODES = ("responses", "messages", "messages_stream")
 _CAPTURE_FIELDS = {"enable_response_messages": True, "include": ["message.output_text.logprobs"]}
-_DECODED: list = []   # the floor arms' decoded answer (set while one of their calls runs)
 
 
-def _floor_json(hooked):
-    """``Response.json`` for the floor arms (orjson, then the capture fields emptied), the hooked
-    one for every other call."""
-    def json_(self, **kwargs):
-        if not _DECODED or _DECODED[0] is not None:
-            return hooked(self, **kwargs)
-        data = orjson.loads(self.content)
-        _DECODED[0] = (data.get("input_messages"), data.get("output_messages"),
-                       [p.get("logprobs") for item in data.get("output") or () for p in item.get("content") or ()])
+def _responses_decoded(out: list):
+    """The Responses floor arms' decoder (fa.ON_JSON): orjson, the capture fields kept in ``out``
+    (input messages, output messages, the output parts' logprobs) and emptied."""
+    def on(content: bytes) -> dict:
+        data = orjson.loads(content)
+        out[:] = [data.get("input_messages"), data.get("output_messages"),
+                  [p.get("logprobs") for item in data.get("output") or () for p in item.get("content") or ()]]
         data["input_messages"] = data["output_messages"] = None
         for item in data.get("output") or ():
             for part in item.get("content") or ():
                 part["logprobs"] = None
         return data
-    return json_
+    return on
+
+
+def _data_call(client, prompt: str, tokens: int) -> list:
+    """The Responses ``data`` arm: one call asking for the capture's fields; (input messages, output
+    messages, the output parts' logprobs) of its decoded answer."""
+    out: list = []
+    fa.ON_JSON[0] = _responses_decoded(out)
+    try:
+        co._call(client, prompt, tokens, False, api="responses", extra_body=_CAPTURE_FIELDS)
+        return out
+    finally:
+        fa.ON_JSON[0] = None
 
 
 def _span_call(tracer, client, prompt: str, tokens: int) -> None:
-    """The ``span`` arm: one call inside the one span a capture must hold, recorded as lightspan does."""
+    """The Responses ``span`` arm: one call inside the one span a capture must hold, recorded as lightspan does."""
     from opentelemetry import trace
 
     from lightspan.tracing import semconv
@@ -82,15 +103,36 @@ def _span_call(tracer, client, prompt: str, tokens: int) -> None:
     span.end()
 
 
-def _data_call(client, prompt: str, tokens: int) -> tuple:
-    """The ``data`` arm: one call asking for the capture's fields; (input messages, output messages,
-    the output parts' logprobs) of its decoded answer."""
-    _DECODED[:] = [None]
-    try:
-        co._call(client, prompt, tokens, False, api="responses", extra_body=_CAPTURE_FIELDS)
-        return _DECODED[0]
-    finally:
-        _DECODED.clear()
+def _arms(mode: str, clients: dict, tracer, prompt: str, n: int) -> dict:
+    """The four arms of one mode: name -> a function making one call."""
+    if mode == "responses":
+        plain, captured = clients["plain"]["responses"], clients["captured"]["responses"]
+        return {"without": lambda: co._call(plain, prompt, n, False, api="responses"),
+                "data": lambda: _data_call(plain, prompt, n),
+                "span": lambda: _span_call(tracer, plain, prompt, n),
+                "lightspan": lambda: co._call(captured, prompt, n, False, api="responses")}
+    stream = mode == "messages_stream"
+    return {arm: (lambda c=c: co._call(c, prompt, n, stream, api="messages"))
+            for arm, c in (("without", clients["plain"]["messages"]), ("data", clients["floor_data"]),
+                           ("span", clients["floor_span"]), ("lightspan", clients["captured"]["messages"]))}
+
+
+def _round(arms: dict, calls: int) -> dict:
+    """One round of one mode: 20 warm-up calls per arm, then ``calls`` per arm, rotating; the
+    median CPU ms per call per arm, the overheads against ``without`` and lightspan's ratio to the floor."""
+
+    for arm in arms.values():
+        for _ in range(20):
+            arm()
+    cpu = {name: [] for name in arms}
+    for i in range(calls):
+        for name in ARMS[i % 4:] + ARMS[:i % 4]:   # each arm in each position alike
+            c0 = time.thread_time()
+            arms[name]()
+            cpu[name].append(time.thread_time() - c0)
+    medians = {name: statistics.median(v) * 1e3 for name, v in cpu.items()}
+    over = {name: medians[name] - medians["without"] for name in ARMS[1:]}
+    return {"cpu_ms": medians, "overhead_ms": over, "ratio": over["lightspan"] / over["span"]}
 
 
 def measure(args) -> dict:
@@ -101,56 +143,56 @@ def measure(args) -> dict:
     provider, exporter = co._tracing()
     stub, url = co._start_stub(args.prompt_tokens, args.completion_tokens)
     prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
-    plain = co._clients(url)["responses"]
+    clients = {"plain": co._clients(url), "floor_data": fa.floor_client(url, False),
+               "floor_span": fa.floor_client(url, True)}
     LightspanInstrumentor().instrument(tracer_provider=provider)
-    httpx2.Response.json = _floor_json(httpx2.Response.json)   # (lightspan's hook underneath)
-    captured = co._clients(url)["responses"]
+    httpx2.Response.json = fa.json_hook(httpx2.Response.json)   # (lightspan's hook underneath)
+    clients["captured"] = co._clients(url)
     tracer = provider.get_tracer("bench.floor")
-    n = args.completion_tokens
-    arms = {"without": lambda: co._call(plain, prompt, n, False, api="responses"),
-            "data": lambda: _data_call(plain, prompt, n),
-            "span": lambda: _span_call(tracer, plain, prompt, n),
-            "lightspan": lambda: co._call(captured, prompt, n, False, api="responses")}
-    rounds = []
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    arms = {mode: _arms(mode, clients, tracer, prompt, args.completion_tokens) for mode in modes}
+    rounds: dict = {mode: [] for mode in modes}
     try:
         for _ in range(args.rounds):
-            for arm in arms.values():   # warm-up
-                for _ in range(20):
-                    arm()
-            cpu = {name: [] for name in arms}
-            for i in range(args.calls):
-                order = ARMS[i % 4:] + ARMS[:i % 4]   # each arm in each position alike
-                for name in order:
-                    c0 = time.thread_time()
-                    arms[name]()
-                    cpu[name].append(time.thread_time() - c0)
-            medians = {name: statistics.median(v) * 1e3 for name, v in cpu.items()}
-            rounds.append({"cpu_ms": medians,
-                           "overhead_ms": {name: medians[name] - medians["without"] for name in ARMS[1:]}})
+            for mode in modes:
+                provider.force_flush()
+                before = exporter.captured
+                rounds[mode].append(_round(arms[mode], args.calls))
+                provider.force_flush()   # (the floor's spans say "ok" too)
+                assert exporter.captured - before == 2 * (args.calls + 20), f"{mode}: not every call was captured"
     finally:
         stub.kill()
         stub.wait()
-    provider.force_flush()
-    # (the span arm's spans say "ok" too)
-    assert exporter.captured == 2 * args.rounds * (args.calls + 20), "not every captured call was captured"
-    return {"rounds": rounds,
-            "median_overhead_ms": {name: statistics.median(r["overhead_ms"][name] for r in rounds) for name in ARMS[1:]}}
+    out = {}
+    for mode, rs in rounds.items():
+        med = {name: statistics.median(r["overhead_ms"][name] for r in rs) for name in ARMS[1:]}
+        ratios = sorted(r["ratio"] for r in rs)
+        out[mode] = {"rounds": rs, "median_overhead_ms": med, "median_ratio": statistics.median(ratios),
+                     "ratio_range": (ratios[0], ratios[-1]), "ratio_of_medians": med["lightspan"] / med["span"]}
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=800, help="calls per arm and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--prompt-tokens", type=int, default=1000, help="prompt_token_ids in the stub's response")
     p.add_argument("--prompt-chars", type=int, default=4000, help="characters of the prompt the agent sends")
     p.add_argument("--completion-tokens", type=int, default=64)
     args = p.parse_args()
-    results = {"load_before": os.getloadavg()[0], **measure(args), "load_after": os.getloadavg()[0]}
-    for i, r in enumerate(results["rounds"]):
-        print(f"round {i + 1}: without {r['cpu_ms']['without']:.3f} ms CPU per call; overhead "
-              + ", ".join(f"{name} {r['overhead_ms'][name]:+.3f}" for name in ARMS[1:]) + " ms")
-    m = results["median_overhead_ms"]
-    print("median over rounds: " + ", ".join(f"{name} {m[name]:+.3f} ms" for name in ARMS[1:]))
+    load_before = os.getloadavg()[0]
+    results = measure(args)
+    results = {"load_before": load_before, "modes": results, "load_after": os.getloadavg()[0]}
+    for mode, r in results["modes"].items():
+        for i, rd in enumerate(r["rounds"]):
+            print(f"{mode:16s} round {i + 1}: without {rd['cpu_ms']['without']:.3f} ms CPU per call; overhead "
+                  + ", ".join(f"{name} {rd['overhead_ms'][name]:+.3f}" for name in ARMS[1:])
+                  + f" ms; lightspan / floor {rd['ratio']:.2f}x")
+        m = r["median_overhead_ms"]
+        print(f"{mode:16s} median over rounds: " + ", ".join(f"{name} {m[name]:+.3f} ms" for name in ARMS[1:])
+              + f"; ratio lightspan / floor {r['median_ratio']:.2f}x (rounds {r['ratio_range'][0]:.2f}"
+              f"-{r['ratio_range'][1]:.2f}x)")
     print(f"load average (1 min): {results['load_before']:.2f} before, {results['load_after']:.2f} after")
     print(json.dumps(results))
 
