@@ -209,8 +209,12 @@ def main() -> int:
     from lightspan.tracing import emit_reward
 
     emit_reward(reward)
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))   # this process and its sandboxes (vLLM's share is not here)
     print(json.dumps({"task": task["id"], "tier": task.get("tier"), **episode, "reward": reward,
-                      "failed_cases": result["failed"], "cases": result["cases"]}))
+                      "failed_cases": result["failed"], "cases": result["cases"], "cpu_s": round(cpu, 2)}))
     return 0
 
 
