@@ -38,7 +38,7 @@ not the policy's doing: the agent emits no reward and exits with status 75 (``os
 
 Settings come from the task JSON in ``LIGHTSPAN_TASK`` (``lightspan experiment`` sets ``temperature``,
 0 for held-out tasks), else from ``SW_<NAME>`` in the environment: ``temperature`` (0.7),
-``max_tokens`` per turn (48), ``max_steps`` (10), ``compact_every`` (4), ``shots`` (1 worked dialogue),
+``max_tokens`` per turn (48), ``max_steps`` (8), ``compact_every`` (4), ``shots`` (1 worked dialogue),
 ``hint_actions`` (valid actions of different kinds shown with each observation: 6), ``obs_chars`` (an observation's
 characters kept: 900).
 """
@@ -208,7 +208,7 @@ def observe(game: Game, observation: str, hint_actions: int, obs_chars: int, rng
 
 
 def play(client: OpenAI, game: Game, *, model: str = "policy", temperature: float = 0.7, max_tokens: int = 48,
-         max_steps: int = 10, compact_every: int = 4, shots: int = 1, hint_actions: int = 6,
+         max_steps: int = 8, compact_every: int = 4, shots: int = 1, hint_actions: int = 6,
          obs_chars: int = 900, seed: int = 0) -> dict:
     """One episode; returns what happened (the reward is ``score / 100``)."""
     rng = random.Random(seed)          # which valid actions a refusal shows: fixed per task (greedy evals repeat)
@@ -245,7 +245,7 @@ def play(client: OpenAI, game: Game, *, model: str = "policy", temperature: floa
 
 def settings(task: dict) -> dict:
     """The episode's settings: the task's field, else ``SW_<NAME>``, else the default."""
-    defaults = {"temperature": 0.7, "max_tokens": 48, "max_steps": 10, "compact_every": 4, "shots": 1,
+    defaults = {"temperature": 0.7, "max_tokens": 48, "max_steps": 8, "compact_every": 4, "shots": 1,
                 "hint_actions": 6, "obs_chars": 900}
     out = {}
     for name, default in defaults.items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import zip_longest
 from pathlib import Path
 
 TIERS = {"easy": "find-non-living-thing", "medium": "lifespan-longest-lived",
@@ -47,13 +48,17 @@ def game_splits() -> dict[str, dict[str, list[int]]]:
 
 def make_splits(splits: dict[str, dict[str, list[int]]], n_train: int = 20, n_held: int = 8) -> dict[str, list[dict]]:
     """The first ``n_train`` train variations of each tier, and the first ``n_held`` dev and test ones
-    (fewer where the game has fewer)."""
+    (fewer where the game has fewer). Training tasks alternate tiers (easy, medium, hard, easy, ...):
+    ``lightspan experiment`` takes them in order, so every step of three or more sees each tier."""
     files = {"train": [], "val": [], "test": []}
-    for tier, task in TIERS.items():
-        for file, split, n in (("train", "train", n_train), ("val", "dev", n_held), ("test", "test", n_held)):
-            for v in sorted(splits[task][split])[:n]:
-                files[file].append({"id": f"{task}-{v}", "task_name": task, "variation": v,
-                                    "simplification": "easy", "tier": tier, "split": split})
+    for file, split, n in (("train", "train", n_train), ("val", "dev", n_held), ("test", "test", n_held)):
+        by_tier = [[{"id": f"{task}-{v}", "task_name": task, "variation": v, "simplification": "easy",
+                     "tier": tier, "split": split} for v in sorted(splits[task][split])[:n]]
+                   for tier, task in TIERS.items()]
+        if file == "train":
+            files[file] = [row for rows in zip_longest(*by_tier) for row in rows if row is not None]
+        else:
+            files[file] = [row for rows in by_tier for row in rows]
     return files
 
 
