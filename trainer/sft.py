@@ -169,8 +169,8 @@ def run(config: TrainerConfig, *, trainer: Trainer | None = None, chat_template:
                 log.warning("%s%d selected calls cannot be trained: %s", "held-out: " if where else "",
                             found[f"unrenderable/{reason}"], sft_data.REASONS[reason])
     if not train:
-        log.error("no trainable call: %d selected by select=%r, none renderable; nothing trained, policy "
-                  "version %d stays", len(rows), config.select, trainer.version)
+        log.error("no trainable call among the %d that select=%r picked (the counts above say why); nothing "
+                  "trained, policy version %d stays", len(rows), config.select, trainer.version)
         return _flat({**summary, "policy_version": trainer.version, "seconds": time.monotonic() - t0})
     score = dict(micro_batch_size=config.micro_batch_size, pad_id=pad_id, device=device)
     before = evaluate(model, val, **score)
