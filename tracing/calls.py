@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 from opentelemetry import trace
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def model_version() -> int | None:
-    return _model_version(os.environ.get("LIGHTSPAN_MODEL_VERSION", ""))
+    return _model_version(semconv.env("LIGHTSPAN_MODEL_VERSION"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -43,7 +42,7 @@ def served_policy(model: str | None) -> tuple[str | None, int | None]:
     """(policy, version) that served a call to ``model``: with several policies served
     (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
     ``LIGHTSPAN_MODEL_VERSION``'s version."""
-    versions = _policy_versions(os.environ.get(semconv.POLICY_VERSIONS_ENV, ""))
+    versions = _policy_versions(semconv.env(semconv.POLICY_VERSIONS_ENV))
     if model in versions:
         return model, versions[model]
     return None, model_version()
@@ -57,9 +56,8 @@ def _policy_versions(raw: str) -> dict[str, int]:
 def content_on() -> bool:
     """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
     switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
-    env = os.environ
-    return (env.get("TRACELOOP_TRACE_CONTENT", "").strip().lower() != "false"
-            and env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower() != "false")
+    return (semconv.env("TRACELOOP_TRACE_CONTENT").strip().lower() != "false"
+            and semconv.env("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT").strip().lower() != "false")
 
 
 # what the client library's own span of a call records itself (the anthropic SDK's)
@@ -286,9 +284,9 @@ def prepare(client: Client, instance, args, kwargs):
     protocol = protocols.of(path, client.name)
     if protocol is None:
         return None, kwargs
-    raw = os.environ.get("LIGHTSPAN_CAPTURE_URLS", "")
+    raw = semconv.env("LIGHTSPAN_CAPTURE_URLS")
     base = _base_url_text(instance)
-    captured, agl = _route(base, path, raw, os.environ.get("AGL_OPENAI_BASE_URL", ""))
+    captured, agl = _route(base, path, raw, semconv.env("AGL_OPENAI_BASE_URL"))
     options = kwargs.get("options")
     if not captured:
         return _not_captured(client, protocol, base, raw, body, options, kwargs)

@@ -20,10 +20,12 @@ overridden) is kept, and its events are read as they pass.
 from __future__ import annotations
 
 import functools
+from itertools import starmap
 
 import orjson
 
 from lightspan.tracing.clients import Client
+from lightspan.tracing.protocols.base import loads
 from lightspan.tracing.protocols.chat import EMPTY_DELTA, only_for_capture
 from lightspan.tracing.sse import SSEParser
 
@@ -115,15 +117,18 @@ class ConvertedDecoder(CapturedDecoder):
 
     def _events(self, parser: SSEParser, chunk: bytes):
         out = []
-        make, cap = self.event_type, self.call.cap
+        make, call = self.event_type, self.call
+        cap, read = call.cap, (self.read if call.output is not None else None)
         for data in parser.feed(chunk):
-            if data.startswith("[DONE]"):
-                out += [make(name, d) for name, d in cap.end()]
-                self.end(True)
-            elif data.startswith("{"):
-                chunk_json = self.read(self.call, data)
+            if data.startswith("{"):
+                # (a converted stream's chunks are read by its capture's ``events``: without output
+                # messages to gather, ``read`` would only decode them)
+                chunk_json = loads(data) if read is None else read(call, data)
                 if type(chunk_json) is dict:
-                    out += [make(name, d) for name, d in cap.events(chunk_json)]
+                    out += starmap(make, cap.events(chunk_json))
+            elif data.startswith("[DONE]"):
+                out += starmap(make, cap.end())
+                self.end(True)
         return out
 
     def _pass(self, sse) -> bool:

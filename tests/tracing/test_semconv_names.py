@@ -32,6 +32,28 @@ def test_genai_names_follow_the_opt_in():
     assert sc.GEN_AI_CONVERSATION_ID not in sc.genai({sc.GEN_AI_CONVERSATION_ID: "c"}, environ={})
 
 
+
+def test_env_reads_what_os_environ_holds_now(monkeypatch):
+    """``semconv.env`` (read per call) is ``os.environ.get(name, "")`` at every moment: a variable set,
+    changed and removed through ``os.environ`` reads so at once, non-ASCII values included; and an
+    ``os.environ`` replaced by a plain dict is read with ``get``."""
+    import os
+
+    name = "LIGHTSPAN_TEST_ENV_READ"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(sc.SEMCONV_OPT_IN_ENV, raising=False)
+    assert sc.env(name) == ""
+    monkeypatch.setenv(name, "gen_ai_latest_experimental")
+    assert sc.env(name) == "gen_ai_latest_experimental" and sc.genai_names() == (True, False)
+    monkeypatch.setenv(sc.SEMCONV_OPT_IN_ENV, NEW)
+    assert sc.genai_names() == (False, True)
+    os.environ[name] = "café ☕"
+    assert sc.env(name) == "café ☕" == os.environ.get(name)
+    monkeypatch.delenv(name)
+    assert sc.env(name) == ""
+    monkeypatch.setattr(os, "environ", {name: "a dict"})
+    assert sc.env(name) == "a dict" and sc.env("LIGHTSPAN_TEST_UNSET") == ""
+
 def _spans(monkeypatch, mode, run):
     if mode is None:
         monkeypatch.delenv(sc.SEMCONV_OPT_IN_ENV, raising=False)

@@ -350,9 +350,9 @@ class MessageStream:
     def text(self, text: str) -> list[tuple[str, dict]]:
         """The events of a chunk that is only ``text``, while a text block is open (what :meth:`feed`
         gives for it, without reading the chunk again)."""
-        out: list = []
-        self._delta({"type": "text_delta", "text": text}, out)
-        return out
+        delta = {"type": "text_delta", "text": text}   # (_delta, inlined: this runs per token)
+        self.blocks[-1][1].append(delta)
+        return [("content_block_delta", {"type": "content_block_delta", "delta": delta, "index": self.index})]
 
     def _tool_call(self, call: dict, out: list) -> None:
         fn = call.get("function") or {}

@@ -249,13 +249,24 @@ class Capture:
             if reason:
                 c.finish_reason = reason
 
-    def add_token(self, choice: dict) -> bool:
-        """:meth:`add_json` of a stream chunk whose one choice is choice 0, once it has started, with
-        no prompt ids and no finish reason (nearly every chunk; nothing hidden): False, reading
-        nothing, for any other."""
+    def text_token(self, chunk: dict) -> str | None:
+        """:meth:`add_json` of the usual chunk of a converted stream, one text token of choice 0 once
+        it has started (no reasoning, tool calls, finish reason or prompt ids; nothing hidden), read
+        in one pass (it runs per token): its text; None, reading nothing, for any other (the caller
+        then takes its general path)."""
+        choices = chunk.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        choice = choices[0]
+        delta = choice.get("delta") if type(choice) is dict else None
+        text = delta.get("content") if type(delta) is dict else None
+        if not (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
+                and choice.get("finish_reason") is None and not choice.get("index")
+                and chunk.get("prompt_token_ids") is None):
+            return None
         c = self.choices.get(0)
         if c is None or not self._chat:
-            return False
+            return None
         self.fed += 1
         ids = choice.get("token_ids")
         if ids is not None:
@@ -263,23 +274,7 @@ class Capture:
         lp = choice.get("logprobs")
         if lp is not None:
             _chat_logprobs(c, lp)
-        return True
-
-    def text_token(self, chunk: dict) -> str | None:
-        """:meth:`add_token` of the usual chunk of a converted stream, one text token of choice 0 (no
-        reasoning, tool calls, finish reason or prompt ids): its text; None, reading nothing, for
-        any other (the caller then takes its general path)."""
-        choices = chunk.get("choices")
-        if type(choices) is not list or len(choices) != 1:
-            return None
-        choice = choices[0]
-        delta = choice.get("delta") if type(choice) is dict else None
-        text = delta.get("content") if type(delta) is dict else None
-        if (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
-                and choice.get("finish_reason") is None and not choice.get("index")
-                and chunk.get("prompt_token_ids") is None and self.add_token(choice)):
-            return text
-        return None
+        return text
 
     def status(self) -> str:
         if not self.parsed:
