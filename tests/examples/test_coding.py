@@ -179,6 +179,10 @@ def left():
         except OSError:
             pass
     return found
+import time
+deadline = time.monotonic() + 30   # processes SIGKILLed with their namespace may take a moment to be gone
+while left() and time.monotonic() < deadline:
+    time.sleep(0.2)
 out["left"] = left()
 out["uids"] = [envs["a"][1], envs["b"][1]]
 print(json.dumps(out))
