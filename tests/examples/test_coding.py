@@ -294,3 +294,39 @@ def test_a_mini_swe_agent_episode_is_captured_and_trains_one_step(collector, vll
                     "--model", str(tiny_model), "--vllm-url", vllm_server.url, "--learning-rate", "1e-3",
                     "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
     assert json.loads((data / "policy.json").read_text())["version"] == 1
+
+
+def test_mini_swe_agent_history_grows_but_a_format_error_drops_the_reply(tmp_path, monkeypatch):
+    """What the README says of mini-swe-agent 2.4.6's history, on the package itself (LiteLLM's own
+    ``mock_response`` in place of a server): each call's messages extend the previous call's and its reply,
+    except after a format error, where the reply is left out and only the error message is added."""
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mini-config"))
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    pytest.importorskip("minisweagent")
+    import litellm
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
+
+    replies = iter(["I will look.\n```bash\necho hi\n```", "no command here", "```bash\nls\n```"])
+    sent = []
+    real = litellm.completion
+
+    def completion(**kwargs):
+        sent.append([{k: m[k] for k in ("role", "content")} for m in kwargs["messages"]])
+        return real(**{**kwargs, "mock_response": next(replies)})
+
+    monkeypatch.setattr(litellm, "completion", completion)
+    import yaml
+
+    regex = yaml.safe_load((CODING / "mini.yaml").read_text())["model"]["action_regex"]   # the example's
+    model = LitellmTextbasedModel(model_name="openai/policy", cost_tracking="ignore_errors", action_regex=regex)
+    agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)), system_template="sys",
+                         instance_template="{{task}}", step_limit=3, cost_limit=0)
+    agent.run("task")
+    first, second, third = sent
+    assert second[:len(first)] == first and second[len(first)]["role"] == "assistant"   # extends: reply + output
+    assert "echo hi" in second[len(first)]["content"] and "hi" in second[-1]["content"]
+    assert third[:len(second)] == second and len(third) == len(second) + 1             # the bad reply is not there
+    assert third[-1]["role"] == "user" and "no command here" not in json.dumps(third)
