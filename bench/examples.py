@@ -392,7 +392,8 @@ def table(root: Path = ROOT) -> str:
                  "service started for it (the sandbox's vLLM, Search-R1's retriever). Goal: mean gain ≥ +10 points, "
                  "every seed above its own start, ≤ 45 CPU-min a seed.")
     if loads:
-        lines.append(f"Runs by bench/examples.py at commit {', '.join(sorted(commits))}; 1-minute load average "
+        lines.append(f"Code of the runs: {', '.join(sorted(commits))} (a trailing + : see the run's run.json note); "
+                     f"1-minute load average "
                      f"sampled every 30 s during them: {min(l['min'] for l in loads):.1f}–"
                      f"{max(l['max'] for l in loads):.1f} (medians of runs "
                      f"{min(l['median'] for l in loads):.1f}–{max(l['median'] for l in loads):.1f}).")
