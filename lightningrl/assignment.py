@@ -122,7 +122,8 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
     n = len(first)
     seq_ridx = kept_ridx[first]
     rollout_rows = np.bincount(seq_ridx, minlength=num_rollouts)
-    outcome = groups.column("outcome").to_numpy(zero_copy_only=False).astype(str)
+    outcome = groups.column("outcome")                  # one per rollout; taken per row in Arrow
+    masked_rollout = pc.equal(outcome, "masked").to_numpy(zero_copy_only=False)
     columns = {
         "transition_id": out.column("transition_id"),
         "rollout_id": out.column("rollout_key"),
@@ -148,8 +149,8 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
         "segment": segment,
         "segment_cause": cause,
         "rollout_rows": pa.array(rollout_rows[seq_ridx], pa.int32()),
-        "outcome": pa.array(outcome[seq_ridx], pa.string()),
-        "loss_weight": pa.array(np.where(outcome[seq_ridx] == "masked", 0.0, 1.0), pa.float64()),
+        "outcome": pc.take(outcome, pa.array(seq_ridx)),
+        "loss_weight": pa.array(np.where(masked_rollout[seq_ridx], 0.0, 1.0), pa.float64()),
     }
     table = pa.table({f.name: columns[f.name].cast(f.type) for f in store.TRANSITION_SCHEMA},
                      schema=store.TRANSITION_SCHEMA)
@@ -176,7 +177,7 @@ def assign(calls: pa.Table, rewards: pa.Table, groups: pa.Table, tokens: Tokens,
         "transitions/rows_per_rollout_max": int(rollout_rows.max(initial=0)),
         "transitions/merge_rate": float(np.mean(rollout_rows == 1)),
         "transitions/dropped_calls/not_selected": int(trainable.sum() - len(rows)),
-        **{f"transitions/outcomes/{o}": int(np.sum(outcome == o)) for o in ROW_OUTCOMES},
+        **{f"transitions/outcomes/{o}": int(pc.sum(pc.equal(outcome, o)).as_py() or 0) for o in ROW_OUTCOMES},
     })
     return table, stats
 
