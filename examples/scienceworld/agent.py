@@ -182,7 +182,6 @@ class Game:
             out.setdefault(int(a["template_id"]), []).append(a["action"])
         return {t: sorted(actions) for t, actions in sorted(out.items())}
 
-
     def close(self) -> None:
         try:
             self.env.close()
@@ -199,6 +198,7 @@ def suggest(valid: dict[int, list[str]], k: int, rng: random.Random) -> list[str
     rng.shuffle(kinds)
     return [rng.choice(actions) for actions in kinds[:k]]
 
+
 def observe(game: Game, observation: str, hint_actions: int, obs_chars: int, rng: random.Random,
             prefix: str = "Observation: ") -> str:
     """A user turn: the game's answer, then a few actions valid where the agent stands."""
@@ -211,12 +211,12 @@ def play(client: OpenAI, game: Game, *, model: str = "policy", temperature: floa
          max_steps: int = 8, compact_every: int = 4, shots: int = 1, hint_actions: int = 6,
          obs_chars: int = 900, seed: int = 0) -> dict:
     """One episode; returns what happened (the reward is ``score / 100``)."""
-    rng = random.Random(seed)          # which valid actions a refusal shows: fixed per task (greedy evals repeat)
+    rng = random.Random(seed)          # which valid actions are shown: fixed per task (greedy evals repeat)
     messages = [*shot_turns(shots), {"role": "user", "content": first_turn(
         game.task, observe(game, game.observation, hint_actions, obs_chars, rng, prefix=""))}]
     done_actions: list[tuple[str, bool]] = []
     score, finished, invalid, compactions, since = 0, False, 0, 0, 0
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if since == compact_every:     # rewrite the chat: task, actions so far, the room as it is now
             messages = [*shot_turns(shots),
                         {"role": "user", "content": first_turn(
@@ -235,7 +235,7 @@ def play(client: OpenAI, game: Game, *, model: str = "policy", temperature: floa
         since += 1
         invalid += not ok
         done_actions.append((action or "(none)", ok))
-        if finished:
+        if finished or step == max_steps - 1:
             break
         messages.append({"role": "user", "content": observe(game, observation, hint_actions, obs_chars, rng)})
     return {"actions": [a for a, _ in done_actions], "steps": len(done_actions), "invalid": invalid,
