@@ -246,11 +246,12 @@ def _adopts(call: "Call", instance, options) -> bool:
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_raw/streaming_response
 
 
-def _start_attributes(protocol: Protocol, model: str, body: dict, content: list) -> dict:
-    """A span of our own's start attributes (``content`` gets True when they hold the messages)."""
+def _start_attributes(protocol: Protocol, model: str, body: dict, content: list, on: bool) -> dict:
+    """A span of our own's start attributes, with the messages when ``on`` (:func:`content_on`, read
+    as the call began); ``content`` gets True when they hold them."""
     attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: protocol.operation, semconv.GEN_AI_REQUEST_MODEL: model,
                            semconv.GEN_AI_PROVIDER_NAME: protocol.provider})
-    if content_on():
+    if on:
         content.append(True)
         try:
             attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(protocol.inputs(body))
@@ -263,15 +264,16 @@ def _open(call: Call, body: dict, instance=None, options=None) -> bool:
     """Pick the call's span (or await the client's: :meth:`Call.settle`); True when the span
     records the messages lightspan reads."""
     content: list = []
+    on = content_on()
     model = str(body.get("model") or "")
     # (a partial, not a closure over the call: the call must not be part of a reference cycle, or its
     # answer's data would wait for the garbage collector)
-    call.start = functools.partial(_start_attributes, call.protocol, model, body, content)
+    call.start = functools.partial(_start_attributes, call.protocol, model, body, content, on)
     call.name = f"{call.protocol.operation} {model}".strip()
     call.span, call.owned = spans.target(call.name, call.start, _adopts(call, instance, options))
     if call.span is None:
         call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
-        return content_on()
+        return on
     return bool(content)
 
 

@@ -93,7 +93,10 @@ def _chat_logprobs(c: "_Choice", lp: dict) -> None:
         if len(content) == 1:  # a stream chunk: one token
             c.logprobs.append(content[0].get("logprob"))
         else:
-            c.logprobs += [t.get("logprob") for t in content]
+            try:   # (subscripts, cheaper than a ``get`` per token; an entry without one reads as None)
+                c.logprobs += [t["logprob"] for t in content]
+            except (KeyError, TypeError):
+                c.logprobs += [t.get("logprob") for t in content]
 
 
 class _Choice:
