@@ -15,7 +15,7 @@ four arms per mode, calls rotating among them (each arm in each position alike):
   its answer decoded with orjson and those fields emptied before the client builds its models, as
   lightspan does; nothing read, nothing recorded. Anthropic (``/v1/messages`` gives no ids): the
   call sent as the chat completion with the ids and logprobs, its answer made the Anthropic
-  message or events (bench/capture_floor_anthropic.py);
+  message or events (bench/capture_floor_converted.py);
 - ``span``: ``data``, plus the span the capture must hold, recorded as lightspan does. Responses
   (traceloop opens no span for an answer cut at its length limit, as the stub's is, and one only
   after the call for a completed one): one span started before the request with the GenAI start
@@ -43,10 +43,10 @@ import orjson
 
 import capture_overhead as co
 
-import capture_floor_anthropic as fa
+import capture_floor_converted as fa
 
 ARMS = ("without", "data", "span", "lightspan")
-MODES = ("responses", "messages", "messages_stream")
+MODES = ("responses", "responses_chat", "messages", "messages_stream")
 _CAPTURE_FIELDS = {"enable_response_messages": True, "include": ["message.output_text.logprobs"]}
 
 
@@ -79,6 +79,26 @@ def _data_call(client, prompt: str, tokens: int) -> list:
 
 def _span_call(tracer, client, prompt: str, tokens: int) -> None:
     """The Responses ``span`` arm: one call inside the one span a capture must hold, recorded as lightspan does."""
+    def call():
+        inputs, outputs, parts = _data_call(client, prompt, tokens)
+        return (inputs[0]["tokens"], outputs[0]["tokens"], [e["logprob"] for lps in parts for e in lps or ()], "")
+    _in_span(tracer, prompt, call)
+
+
+def _span_chat_call(tracer, client, prompt: str, tokens: int) -> None:
+    """The ``responses_chat`` ``span`` arm: as :func:`_span_call`, the call sent as a chat completion."""
+    def call():
+        co._call(client, prompt, tokens, False, api="responses")
+        return client.responses._floor
+    _in_span(tracer, prompt, call)
+
+
+def _in_span(tracer, prompt: str, call) -> None:
+    """``call()`` (-> prompt ids, ids, logprobs, text) inside the one span a Responses capture must
+    hold (traceloop opens none for an answer cut at its length limit, as the stub's is, and one only
+    after the call for a completed one): started before with the GenAI start attributes, current
+    during the call, then the ids and logprobs packed and set with the other attributes lightspan
+    records, and ended."""
     from opentelemetry import trace
 
     from lightspan.tracing import semconv
@@ -89,17 +109,16 @@ def _span_call(tracer, client, prompt: str, tokens: int) -> None:
                  [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]).decode()}
     span = tracer.start_span(f"chat {co.MODEL}", kind=trace.SpanKind.CLIENT, attributes=start)
     with trace.use_span(span, end_on_exit=False):
-        inputs, outputs, parts = _data_call(client, prompt, tokens)
-    logprobs = [e["logprob"] for lps in parts for e in lps or ()]
+        prompt_ids, ids, logprobs, text = call()
     span.set_attributes({
-        semconv.CAPTURE_STATUS: "ok", semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(inputs[0]["tokens"]),
-        semconv.COMPLETION_TOKEN_IDS: (semconv.encode_ids(outputs[0]["tokens"]),),
+        semconv.CAPTURE_STATUS: "ok", semconv.PROMPT_TOKEN_IDS: semconv.encode_ids(prompt_ids),
+        semconv.COMPLETION_TOKEN_IDS: (semconv.encode_ids(ids),),
         semconv.COMPLETION_LOGPROBS: (semconv.encode_floats(logprobs),), semconv.MODEL_VERSION: 1,
         semconv.GEN_AI_REQUEST_TEMPERATURE: 0.7, semconv.GEN_AI_RESPONSE_MODEL: co.MODEL,
-        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(inputs[0]["tokens"]),
-        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: len(outputs[0]["tokens"]),
+        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_ids), semconv.GEN_AI_USAGE_OUTPUT_TOKENS: len(ids),
         semconv.GEN_AI_RESPONSE_FINISH_REASONS: ("length",),
-        semconv.GEN_AI_OUTPUT_MESSAGES: orjson.dumps([{"role": "assistant", "parts": []}]).decode()})
+        semconv.GEN_AI_OUTPUT_MESSAGES: orjson.dumps([{"role": "assistant", "parts": [
+            {"type": "text", "content": text}] if text else [], "finish_reason": "length"}]).decode()})
     span.end()
 
 
@@ -110,6 +129,12 @@ def _arms(mode: str, clients: dict, tracer, prompt: str, n: int) -> dict:
         return {"without": lambda: co._call(plain, prompt, n, False, api="responses"),
                 "data": lambda: _data_call(plain, prompt, n),
                 "span": lambda: _span_call(tracer, plain, prompt, n),
+                "lightspan": lambda: co._call(captured, prompt, n, False, api="responses")}
+    if mode == "responses_chat":
+        floor, captured = clients["floor_responses"], clients["captured"]["responses"]
+        return {"without": lambda: co._call(clients["plain"]["responses"], prompt, n, False, api="responses"),
+                "data": lambda: co._call(floor, prompt, n, False, api="responses"),
+                "span": lambda: _span_chat_call(tracer, floor, prompt, n),
                 "lightspan": lambda: co._call(captured, prompt, n, False, api="responses")}
     stream = mode == "messages_stream"
     return {arm: (lambda c=c: co._call(c, prompt, n, stream, api="messages"))
@@ -144,7 +169,7 @@ def measure(args) -> dict:
     stub, url = co._start_stub(args.prompt_tokens, args.completion_tokens)
     prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
     clients = {"plain": co._clients(url), "floor_data": fa.floor_client(url, False),
-               "floor_span": fa.floor_client(url, True)}
+               "floor_span": fa.floor_client(url, True), "floor_responses": fa.responses_client(url)}
     LightspanInstrumentor().instrument(tracer_provider=provider)
     httpx2.Response.json = fa.json_hook(httpx2.Response.json)   # (lightspan's hook underneath)
     clients["captured"] = co._clients(url)

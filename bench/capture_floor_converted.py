@@ -1,4 +1,10 @@
-"""The floor arms of bench/capture_floor.py for an Anthropic Messages call, plain and streamed.
+"""The floor arms of bench/capture_floor.py for the calls lightspan sends as chat completions: an
+Anthropic Messages call, plain and streamed, and a Responses call (``responses_chat``).
+
+Responses (:func:`responses_client`): the call sent as the chat completion with the ids and
+logprobs, as lightspan sends it, its answer made the Response (a dict the client builds its
+``Response`` from, with fresh ``resp_``/``msg_`` ids as vLLM's); ``span`` as bench/capture_floor.py's
+Responses span arm, with the ids and logprobs of the chat answer.
 
 vLLM's ``/v1/messages`` returns no token ids, so any capture of an Anthropic call must send it as a
 chat completion that asks for them and hand the caller the Anthropic message (or events) made of the
@@ -191,4 +197,54 @@ def floor_client(url: str, record: bool):
             ON_JSON[0] = None
 
     client.messages._post = messages_post
+    return client
+
+
+def _response(out: list, body: dict):
+    """The decoder of a Responses call's chat answer: the Response out; (prompt ids, ids, logprobs,
+    text) kept in ``out``."""
+    import uuid
+
+    def on(content: bytes) -> dict:
+        data = orjson.loads(content)
+        choice = data["choices"][0]
+        ids, text, u = choice["token_ids"], choice["message"]["content"], data["usage"]
+        out[:] = [data["prompt_token_ids"], ids, [e["logprob"] for e in choice["logprobs"]["content"]], text]
+        cut = choice["finish_reason"] == "length"
+        return {"id": f"resp_{uuid.uuid4().hex[:16]}", "created_at": data["created"],
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "instructions": None,
+                "metadata": None, "model": data["model"], "object": "response",
+                "output": [{"id": f"msg_{uuid.uuid4().hex[:16]}", "content": [
+                    {"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
+                    "role": "assistant", "status": "completed", "type": "message"}],
+                "parallel_tool_calls": True, "temperature": body.get("temperature"), "tool_choice": "none",
+                "tools": [], "top_p": 1.0, "max_output_tokens": body.get("max_output_tokens"),
+                "status": "incomplete" if cut else "completed",
+                "usage": {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": u["total_tokens"]}}
+    return on
+
+
+def responses_client(url: str):
+    """An ``openai`` client (built before lightspan's instrumentor) whose Responses calls go as the
+    chat completion with the ids and come back as the Response; its ``responses._floor`` holds the
+    last call's (prompt ids, ids, logprobs, text)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="bench", max_retries=0)
+    post, out = client.responses._post, []
+
+    def responses_post(path, *, body, options, cast_to, **kwargs):
+        chat = {"model": body["model"], "messages": [{"role": "user", "content": body["input"]}],
+                "max_tokens": body["max_output_tokens"], "temperature": body["temperature"],
+                "return_token_ids": True, "logprobs": True}
+        ON_JSON[0] = _response(out, body)
+        try:
+            return post("/chat/completions", body=chat, options=options, cast_to=cast_to, **kwargs)
+        finally:
+            ON_JSON[0] = None
+
+    client.responses._post = responses_post
+    client.responses._floor = out
     return client
