@@ -265,6 +265,8 @@ def conversation(input_messages, output_messages, tools=None, system=None,
     replies = [m for m in outputs if isinstance(m, dict) and m.get("role") == "assistant"]
     if not replies:
         raise Unrenderable("no_reply", "no assistant message in the output")
+    if replies[0].get("parts") == [] or replies[0].get("content", 0) is None and not replies[0].get("tool_calls"):
+        raise Unrenderable("no_reply", "the assistant message is empty")   # captured, and empty: not capture off
     reply = chat_message(replies[0])[0]
     if not (reply.get("content") or reply.get("tool_calls")):
         raise Unrenderable("no_reply", "the assistant message is empty")

@@ -161,6 +161,7 @@ def test_unrenderable_calls_are_counted_by_reason_and_duplicates_once():
             row(*critic),                                                          # the template raises
             row(good[0], json.dumps([{"role": "user", "parts": [{"type": "text", "content": "x"}]}])),
             row("{not json", good[1]),
+            row(good[0], json.dumps([{"role": "assistant", "parts": [], "finish_reason": "length"}])),
             row(*captured([{"role": "user", "content": "x" * 300}], "long")),
             row(*captured([{"role": "user", "content": "Weather?"}], None, tool_calls=[("weather", {})])),
             row(*captured([{"role": "user", "content": "Weather?"}], None, tool_calls=[("weather", {})]),
@@ -172,7 +173,7 @@ def test_unrenderable_calls_are_counted_by_reason_and_duplicates_once():
 
     assert [e.key for e in found] == [("t", "a"), ("t", "s")]
     assert dict(counts) == {"duplicates": 1, "unrenderable/no_content": 2, "unrenderable/unsupported_part": 1,
-                            "unrenderable/template_error": 1, "unrenderable/no_reply": 1,
+                            "unrenderable/template_error": 1, "unrenderable/no_reply": 2,
                             "unrenderable/not_json": 1, "unrenderable/too_long": 1,
                             "unrenderable/no_tool_definitions": 1}
     assert dict(plain_counts) == {"unrenderable/template_drops_tools": 1}
