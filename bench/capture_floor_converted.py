@@ -17,8 +17,8 @@ sends (one user turn of text; nothing general):
   that ``message_start`` reports); a plain answer decoded with orjson and turned into the Anthropic
   message (a dict the client builds its ``Message`` from); a stream's chat chunks split from the
   bytes, decoded with orjson and turned into the Anthropic events (the client's ``ServerSentEvent``,
-  its ``json()`` the event built, its text made when read, as the client's stream reads it), the
-  ids and logprobs gathered; nothing recorded;
+  its ``json()`` the event built, its text made when read, as the client's stream reads it: the
+  one class of lightspan's used here), the ids and logprobs gathered; nothing recorded;
 - ``span``: ``data``, plus what the capture records on the call's span: the ``anthropic`` SDK opens
   one per call itself (its tracing is on in every arm), current while the answer is decoded, so the
   attributes go on it (lightspan adopts it too): the packed ids and logprobs, the status, the model
@@ -97,23 +97,13 @@ def _message(record: bool, inputs: str, temperature):
 
 
 def _event_type():
-    from anthropic._streaming import ServerSentEvent
+    """The client's ``ServerSentEvent`` whose ``json()`` is the event built and whose text is made when
+    read (the client's stream reads it): lightspan's class for it, the floor's one piece of
+    lightspan's code, as it is no more than what any converted stream must build."""
+    from lightspan.tracing.clients import CLIENTS
+    from lightspan.tracing.streams import converted_event_type
 
-    class Event(ServerSentEvent):
-        def __init__(self, name: str, decoded: dict):
-            super().__init__(event=name)
-            self._decoded = decoded
-
-        @property
-        def data(self) -> str:
-            if not self._data:
-                self._data = orjson.dumps(self._decoded).decode()
-            return self._data
-
-        def json(self):
-            return self._decoded
-
-    return Event
+    return converted_event_type(CLIENTS["anthropic"])
 
 
 class _Decoder:
