@@ -7,7 +7,7 @@
 
 1. Generates ``--rollouts`` rollouts (10 spans each) with lightningrl_build.py's generator into
    ``--dir`` (kept; generated only if it holds no spans). Not timed.
-2. For each of ``--pairs`` rounds and each output (per_call, per_rollout) runs one build per arm,
+2. For each of ``--pairs`` rounds and each of ``--outputs`` (per_call, per_rollout) runs one build per arm,
    the arms' order alternating round by round, each in a fresh process (lightningrl_build.py's
    ``--_measure build``) with ``PYTHONPATH`` set to the arm's directory, so that it imports that
    arm's ``lightspan``, pinned to ``--cores`` cores.
@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--rollouts", type=int, default=100_000)
     p.add_argument("--pairs", type=int, default=4, help="rounds of one build per arm and output")
     p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--outputs", nargs="+", choices=OUTPUTS, default=list(OUTPUTS), help="output modes to build")
     p.add_argument("--dir", default=None, help="the store (kept; default: a temp dir)")
     args = p.parse_args(argv)
     arms = []
@@ -65,9 +66,9 @@ def main(argv=None) -> int:
             spans = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                                    cwd=tempfile.gettempdir(), env=env).stdout.strip()
             print(f"generated {spans} spans of {args.rollouts:,} rollouts (not timed)", file=sys.stderr)
-        runs: dict = {(o, name): [] for o in OUTPUTS for name, _ in arms}
+        runs: dict = {(o, name): [] for o in args.outputs for name, _ in arms}
         for i in range(args.pairs):
-            for output in OUTPUTS:
+            for output in args.outputs:
                 for name, root in (arms if i % 2 == 0 else arms[::-1]):
                     r = build_once(root, store_dir, output, args.cores)
                     runs[(output, name)].append(r)
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
                           f"{r['rows']:,} rows, load {r['load']:.1f}", file=sys.stderr, flush=True)
         (first, _), (second, _) = arms
         result = {"rollouts": args.rollouts, "cores": args.cores, "pairs": args.pairs, "ratio": f"{second}/{first}"}
-        for output in OUTPUTS:
+        for output in args.outputs:
             a, b = runs[(output, first)], runs[(output, second)]
             cpu = [y["cpu_s"] / x["cpu_s"] for x, y in zip(a, b)]
             wall = [y["wall_s"] / x["wall_s"] for x, y in zip(a, b)]
