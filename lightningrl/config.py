@@ -146,7 +146,8 @@ class TransitionsConfig:
     outcomes: str = option(
         DEFAULT_OUTCOMES,
         "What training does with a rollout that did not end ok, per cause: comma-separated cause=outcome. "
-        "Causes: 'failed' (the agent crashed, exited non-zero or made an invalid action), 'timeout' (it "
+        "Causes: 'failed' (the agent's own failure: it crashed or exited non-zero, e.g. on an invalid action; "
+        "or its lightspan.rollout root span has status ERROR), 'timeout' (it "
         "ran out of time), 'infra' (a service it needs was down, it could not start, or exited 75; not the "
         "agent's fault). Outcomes: 'failed' (trained with its real reward; with no reward at all it is "
         "dropped as no_reward, never a reward of 0), 'masked' (its reward counts in its group's baseline, "
