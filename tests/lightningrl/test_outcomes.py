@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lightspan.core.config import ConfigError
+from lightspan.core.config import ConfigError, resolve
 from lightspan.lightningrl.config import TransitionsConfig
 from tests.lightningrl.helpers import EPS, build, call, episode, reward, runner, write
 
@@ -109,3 +109,16 @@ def test_bad_turn_selection_fails_at_config_load_naming_the_field(field, value):
     with pytest.raises(ConfigError) as err:
         TransitionsConfig(**{field: value})
     assert err.value.field == f"transitions.{field}" and "fix:" in str(err.value)
+
+
+def test_outcomes_and_turn_selection_come_from_the_environment_and_command_line():
+    cfg = resolve(TransitionsConfig, section="transitions",
+                  environ={"LIGHTSPAN_TRANSITIONS_OUTCOMES": "failed=masked",
+                           "LIGHTSPAN_TRANSITIONS_TURN_SELECT_SQL": "output_tokens > 5"},
+                  cli={"turn_last_k": 2})
+    assert cfg.outcome_of == {"failed": "masked", "timeout": "failed", "infra": "dropped"}
+    assert (cfg.turn_select_sql, cfg.turn_last_k) == ("output_tokens > 5", 2)
+    with pytest.raises(ConfigError) as err:
+        resolve(TransitionsConfig, section="transitions", environ={"LIGHTSPAN_TRANSITIONS_OUTCOMES": "oops=failed"},
+                cli={})
+    assert err.value.field == "transitions.outcomes"
