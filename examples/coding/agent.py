@@ -172,7 +172,8 @@ def probe(executable: str, wrapper_args: list[str], repo: Path) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)   # this script's lines; LiteLLM's own INFO lines (two per call) stay out of the log
     task = json.loads(os.environ["LIGHTSPAN_TASK"])
     for field in ("id", "file", "line", "original", "buggy", "statement"):
         if field not in task:
