@@ -12,9 +12,10 @@ top of what the process holds already (weights, optimizer moments once they exis
 - the gradients (one float per trainable parameter, from the first backward on) and, before the
   first optimizer step, AdamW's two moments: ``reserve_bytes``.
 
-``bytes_per_token`` is that estimate; the constants were fitted to the peak resident memory of
-one step on SmolLM2-135M (bench/trainer_memory.py, bench/README.md "Trainer memory"), rounded
-up. The budget (:func:`token_budget`) is what is left of the limit after the process's resident
+``bytes_per_token`` is that estimate. The constants are counted from the architecture (float32
+tensors a Llama-style layer and the loss keep for the backward pass), rounded up, not yet fitted to
+a measurement: bench/trainer_memory.py measures the peak (bench/README.md, "Long transitions and
+the token budget"). The budget (:func:`token_budget`) is what is left of the limit after the process's resident
 memory and the reserve, over the bytes per token; a pass of one row longer than it still runs
 (batches.pack), so a budget is a bound on the pass's size, not a refusal.
 """
