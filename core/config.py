@@ -241,8 +241,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls, section: str) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         env = f.metadata.get("env")
         where = f"env {env_name(section, f.name)}" + (f" or {env}" if env else "")
+        text = f"{f.metadata.get('help', '')} (default: {default!r}; {where})"
         parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
-                            help=f"{f.metadata.get('help', '')} (default: {default!r}; {where})")
+                            help=text.replace("%", "%%"))      # argparse formats help with %
 
 
 def cli_values(args: argparse.Namespace, cls) -> dict[str, Any]:

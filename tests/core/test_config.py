@@ -49,3 +49,20 @@ def test_parse_time_refuses(text, now_ns):
 ])
 def test_is_loopback(host, want):
     assert is_loopback(host) is want
+
+
+def test_a_help_text_with_a_percent_sign_prints(capsys):
+    """A field's help is text, not a format string: '80% of' must not break --help (argparse formats it)."""
+    import argparse
+    import dataclasses
+
+    from lightspan.core.config import add_arguments, option
+
+    @dataclasses.dataclass(frozen=True)
+    class Conf:
+        share: float = option(0.8, "Use 80% of the memory available.")
+
+    parser = argparse.ArgumentParser(prog="x")
+    add_arguments(parser, Conf, "x")
+    parser.print_help()
+    assert "Use 80% of the memory available." in " ".join(capsys.readouterr().out.split())
