@@ -35,6 +35,7 @@ same on both sides: a check of the mechanics, not a finding about learning.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -189,6 +190,8 @@ def run_lightspan(args, model_dir: str, start: dict, batches: list[dict], work: 
     from lightspan.trainer.step import optimise
 
     cfg = lvt.lightspan_trainer_config(args, model_dir, work)
+    # the arm with the zero-advantage sequences in the normaliser (TRL's 1/G) and the one without (the default)
+    cfg = dataclasses.replace(cfg, zero_advantage="count" if count_zero else "exclude")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = with_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                       targets=cfg.lora_target_modules, seed=cfg.seed)

@@ -50,7 +50,7 @@ from lightspan.inference import LORA_RANKS
 from lightspan.core.config import ConfigError, option
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, load_tasks
-from lightspan.trainer.config import NORMALISATIONS
+from lightspan.trainer.config import NORMALISATIONS, ZERO_ADVANTAGE
 from lightspan.runs import (
     CpuClock,
     Stages,
@@ -93,6 +93,9 @@ class ExperimentConfig:
     loss_normalisation: str = option("transition", "What the loss's 'sequence' is: 'transition' or 'rollout' "
                                      "(a rollout split into k rows weighs as one; lightspan train --help).",
                                      choices=NORMALISATIONS)
+    zero_advantage: str = option("exclude", "Whether zero-advantage sequences count in the loss's normaliser: "
+                                 "'exclude' (DAPO's dynamic sampling) or 'count' (GRPO's 1/G, as TRL; lightspan "
+                                 "train --help).", choices=ZERO_ADVANTAGE)
     micro_batch_tokens: int = option(0, "Padded tokens per trainer forward/backward pass, at most (lightspan "
                                         "train --micro-batch-tokens); 0: derived from max_memory_gb.")
     max_memory_gb: float = option(0.0, "Memory (GiB) the trainer may use, which sizes its micro-batches "
@@ -371,6 +374,7 @@ def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_di
         "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
         "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
         "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
+        "--zero-advantage", cfg.zero_advantage,
         "--micro-batch-tokens", str(cfg.micro_batch_tokens), "--max-memory-gb", str(cfg.max_memory_gb),
         "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
         "--metrics-port", str(ports["metrics"]), *sync))

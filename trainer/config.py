@@ -22,6 +22,7 @@ SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
 ALGOS = ("grpo", "sft")
 NORMALISATIONS = ("transition", "rollout")     # trainer/loss.py's, deviation 9
+ZERO_ADVANTAGE = ("exclude", "count")        # zero-advantage sequences in the normaliser: trainer/loss.py, deviation 4
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -81,6 +82,15 @@ class TrainerConfig:
         "counts rollouts; dr_grpo divides by rollouts x the longest rollout; dapo and cispo, token-level, are "
         "the same either way). Agent Lightning's per_rollout_mean divides by rows, so a split rollout weighs k "
         "times (its issues #593/#594).", choices=NORMALISATIONS)
+    zero_advantage: str = option(
+        "exclude", "Whether the step's zero-advantage sequences (a group whose rollouts all got one reward; they "
+        "carry no gradient and skip the forward pass) count in what the loss divides by. 'exclude': they do not, "
+        "as DAPO's dynamic sampling drops such groups from the batch (Yu et al. 2025, arXiv 2503.14476, §3.2), so "
+        "a step moves as far whatever the share of groups with signal; the demo's and the examples' measured runs "
+        "up to session 11 used it. 'count': they do, as GRPO's 1/G (Shao et al. 2024, arXiv 2402.03300) and TRL's "
+        "GRPOTrainer, so a step with one informative group in four moves a quarter as far "
+        "(bench/grpo_step_compare.py: the two trainers' updates agree to cosine 0.998 with it).",
+        choices=ZERO_ADVANTAGE)
     epsilon: float = option(0.2, "Lower clip range: the ratio is clipped below at 1 - epsilon.")
     epsilon_high: float = option(0.28, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
                                  "(DAPO clip-higher; set it equal to epsilon for the symmetric clip of PPO/GRPO).")
@@ -168,7 +178,8 @@ class TrainerConfig:
             raise ConfigError(SECTION, name, problem, fix)
 
         for name, choices in (("loss_type", LOSS_TYPES), ("is_correction", IS_CORRECTIONS),
-                              ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS), ("loss_normalisation", NORMALISATIONS)):
+                              ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS), ("loss_normalisation", NORMALISATIONS),
+                              ("zero_advantage", ZERO_ADVANTAGE)):
             if getattr(self, name) not in choices:
                 fail(name, f"{getattr(self, name)!r} is not allowed", f"use one of: {', '.join(choices)}")
         if not self.model:

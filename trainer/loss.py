@@ -47,9 +47,11 @@ Deviations from the papers:
    generation budget: the trainer does not generate, so it has none.
 4. Every normaliser counts the whole step's batch (``BatchTotals``), not one micro-batch's,
    so the micro-batch losses sum to the full-batch loss and gradient accumulation is exact.
-   The step's batch includes its zero-advantage sequences (``Batch.zero_totals``): they carry no
-   gradient and skip the forward pass, but GRPO's 1/G counts them, as TRL does; without them a
-   step with one informative group in four moved the policy as far as one with four.
+   The step's zero-advantage sequences carry no gradient and skip the forward pass; whether they
+   count in the normaliser is ``zero_advantage``: ``exclude`` (the default, as DAPO's dynamic
+   sampling drops such groups: a step moves as far whatever the share of groups with signal) or
+   ``count`` (``Batch.zero_totals``, GRPO's 1/G as TRL counts it: a step with one informative
+   group in four moves a quarter as far).
 5. The clip range is the same for every loss type; epsilon_high = epsilon gives GRPO's
    symmetric clip.
 6. The KL reference is the initial model, fixed for the whole run (with LoRA: the base

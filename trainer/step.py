@@ -39,9 +39,9 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     model.train()
     totals, table = step_totals(batch.table, cfg.loss_normalisation)     # the whole batch's, before the cut
     trained_tokens = totals.num_tokens
-    # the zero-advantage sequences next_batch left out of the forward pass still count in what the
-    # loss divides by, as in GRPO's 1/G (trainer/loss.py, deviation 4)
-    zero = batch.zero_totals
+    # with zero_advantage 'count', the zero-advantage sequences next_batch left out of the forward pass
+    # still count in what the loss divides by, as in GRPO's 1/G (trainer/loss.py, deviation 4)
+    zero = batch.zero_totals if cfg.zero_advantage == "count" else BatchTotals(0, 0, 0)
     totals = BatchTotals(totals.num_sequences + zero.num_sequences, totals.num_tokens + zero.num_tokens,
                          max(totals.max_completion_length, zero.max_completion_length))
     budget = cfg.micro_batch_tokens or step_budget(cfg.max_memory_gb, accelerator.unwrap_model(model), optimizer)

@@ -1,9 +1,10 @@
-"""The zero-advantage sequences of a step count in what its loss divides by (issue 33).
+"""Whether the zero-advantage sequences of a step count in what its loss divides by (issue 33).
 
-next_batch leaves transitions with advantage 0 out of the forward pass (they carry no gradient),
-but GRPO's 1/G counts every sampled output of the step, as TRL's GRPOTrainer does; before the fix
-the loss divided by the informative sequences only, so a step with one informative group in four
-moved the policy as far as one with four (bench/README.md, "Per step against TRL").
+next_batch leaves transitions with advantage 0 out of the forward pass (they carry no gradient).
+With ``zero_advantage = 'count'`` GRPO's 1/G counts every sampled output of the step, as TRL's
+GRPOTrainer does; with ``'exclude'`` (the default, DAPO's dynamic sampling) the loss divides by the
+informative sequences only, so a step with one informative group in four moves the policy as far
+as one with four (bench/README.md, "Per step against TRL").
 """
 
 import pyarrow as pa
@@ -27,9 +28,10 @@ INFORMATIVE = [_row(0, 1.0, 3), _row(1, -1.0, 4)]
 ZERO = [_row(2, 0.0, 5), _row(3, 0.0, 2)]
 
 
-def _grad_norm(tmp_path, name, rows, tiny_model, loss_type):
+def _grad_norm(tmp_path, name, rows, tiny_model, loss_type, zero_advantage="count"):
     cfg = TrainerConfig(model=str(tiny_model), data_dir=str(tmp_path / name), sync="none", torch_threads=1,
-                        learning_rate=1e-3, max_grad_norm=0.0, metrics_port=0, loss_type=loss_type)
+                        learning_rate=1e-3, max_grad_norm=0.0, metrics_port=0, loss_type=loss_type,
+                        zero_advantage=zero_advantage)
     store.write_table(cfg.data_dir, "transitions", pa.Table.from_pylist(rows, schema=store.TRANSITION_SCHEMA))
     trainer = Trainer(cfg)
     trainer.load_or_init()
@@ -52,6 +54,20 @@ def test_zero_advantage_sequences_count_in_the_normaliser(tmp_path, tiny_model, 
     # the per-token metrics stay means over the trained tokens
     assert with_zero["num_tokens"] == alone["num_tokens"] == 7
     assert with_zero["entropy"] == pytest.approx(alone["entropy"], rel=1e-5)
+
+
+def test_excluded_zero_advantage_sequences_leave_the_normaliser_alone(tmp_path, tiny_model):
+    """The default: the same gradient with or without the zero-advantage rows in the batch."""
+    assert TrainerConfig.__dataclass_fields__["zero_advantage"].default == "exclude"
+    alone = _grad_norm(tmp_path, "alone", INFORMATIVE, tiny_model, "grpo", "exclude")
+    with_zero = _grad_norm(tmp_path, "with-zero", INFORMATIVE + ZERO, tiny_model, "grpo", "exclude")
+    assert with_zero["zero_advantage"] == 2
+    assert with_zero["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
+
+
+def test_a_bad_zero_advantage_setting_fails_naming_it():
+    with pytest.raises(Exception, match="zero_advantage"):
+        TrainerConfig(model="m", zero_advantage="sometimes")
 
 
 def _batch(tmp_path, rows, normalisation):
