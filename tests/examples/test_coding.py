@@ -16,7 +16,8 @@ import sys
 import pytest
 import requests
 
-from tests.examples.test_examples import EXAMPLES, collector, lightspan, load  # noqa: F401 (collector: a fixture)
+from tests.examples.test_examples import (  # noqa: F401 (collector: a fixture)
+    EXAMPLES, collector, lightspan, load, grade_first_of_each_task, train_one_step)
 
 CODING = EXAMPLES / "coding"
 AGENT = CODING / "agent.py"
@@ -281,19 +282,10 @@ def test_a_mini_swe_agent_episode_is_captured_and_trains_one_step(collector, vll
                               "FROM llm_calls GROUP BY rollout_key").fetchall()
     assert len(per_rollout) == 4 and all(n == 2 and p > 0 and c > 0 for _, n, p, c in per_rollout), per_rollout
     calls = sum(n for _, n, _, _ in per_rollout)
-    firsts = {}
-    for key, task_id, _ in rollouts:
-        firsts.setdefault(task_id, key)
-    for key in firsts.values():
-        requests.post(f"{api}/v1/rewards", json={"rollout_id": key, "value": 1.0, "name": "grader"},
-                      timeout=30).raise_for_status()
-    requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
+    grade_first_of_each_task(api, rollouts)
     built = lightspan("transitions", "build", "--data-dir", str(data), "--grace-s", "0")
     assert built["transitions/calls"] == calls and built["transitions/nonzero_advantage"] > 0, built
-    subprocess.run([sys.executable, "-m", "lightspan.cli", "train", "--mode", "once", "--data-dir", str(data),
-                    "--model", str(tiny_model), "--vllm-url", vllm_server.url, "--learning-rate", "1e-3",
-                    "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
-    assert json.loads((data / "policy.json").read_text())["version"] == 1
+    train_one_step(data, tiny_model, vllm_server.url)
 
 
 def test_mini_swe_agent_history_grows_but_a_format_error_drops_the_reply(tmp_path, monkeypatch):

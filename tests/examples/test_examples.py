@@ -38,6 +38,26 @@ def lightspan(*args: str) -> dict:
     return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
 
 
+def grade_first_of_each_task(api: str, rollouts) -> None:
+    """A grader marks the first rollout of each task solved (the tiny model never solves one), so every
+    group of ``rollouts`` (rows of rollout key, task id, ...) has an advantage; then the collector flushes."""
+    firsts = {}
+    for key, task_id, *_ in rollouts:
+        firsts.setdefault(task_id, key)
+    for key in firsts.values():
+        requests.post(f"{api}/v1/rewards", json={"rollout_id": key, "value": 1.0, "name": "grader"},
+                      timeout=30).raise_for_status()
+    requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
+
+
+def train_one_step(data: Path, model: Path, vllm_url: str) -> None:
+    """One GRPO step of ``lightspan train --mode once`` on the built transitions, synced into the vLLM."""
+    subprocess.run([sys.executable, "-m", "lightspan.cli", "train", "--mode", "once", "--data-dir", str(data),
+                    "--model", str(model), "--vllm-url", vllm_url, "--learning-rate", "1e-3",
+                    "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
+    assert json.loads((data / "policy.json").read_text())["version"] == 1
+
+
 def load(path: Path):
     spec = importlib.util.spec_from_file_location(f"example_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -100,14 +120,7 @@ def test_example_trains_from_its_traces(example, collector, vllm_server, tiny_mo
     rollouts = con.execute("SELECT rollout_key, task_id, final_reward FROM rollouts WHERE task_id IS NOT NULL "
                            "ORDER BY rollout_key").fetchall()
     assert len(rollouts) == 2 * SAMPLES and all(r[2] is not None for r in rollouts), rollouts
-    # a grader marks the first rollout of each task solved (the tiny model never solves one)
-    firsts = {}
-    for key, task_id, _ in rollouts:
-        firsts.setdefault(task_id, key)
-    for key in firsts.values():
-        requests.post(f"{api}/v1/rewards", json={"rollout_id": key, "value": 1.0, "name": "grader"},
-                      timeout=30).raise_for_status()
-    requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
+    grade_first_of_each_task(api, rollouts)
 
     built = lightspan("transitions", "build", "--data-dir", str(data), "--agent-match", agent_match, "--grace-s", "0")
     assert built["transitions/calls"] == 2 * SAMPLES * trained_per_rollout, built

@@ -14,7 +14,8 @@ import sys
 import pytest
 import requests
 
-from tests.examples.test_examples import EXAMPLES, collector, lightspan  # noqa: F401  (collector: a fixture)
+from tests.examples.test_examples import (  # noqa: F401 (collector: a fixture)
+    EXAMPLES, collector, lightspan, grade_first_of_each_task, train_one_step)
 
 AGENT = EXAMPLES / "sandbox" / "agent.py"
 ENV_MAP = "QUESTION=input.question,ANSWER=input.answer"
@@ -97,19 +98,10 @@ def test_the_sandbox_agent_trains_from_its_traces(collector, vllm_server, tiny_m
     rollouts = con.execute("SELECT rollout_key, task_id, final_reward FROM rollouts WHERE task_id IS NOT NULL "
                            "ORDER BY rollout_key").fetchall()
     assert len(rollouts) == 2 * SAMPLES and all(r[2] == 0.0 for r in rollouts), rollouts
-    firsts = {}
-    for key, task_id, _ in rollouts:
-        firsts.setdefault(task_id, key)
-    for key in firsts.values():
-        requests.post(f"{api}/v1/rewards", json={"rollout_id": key, "value": 1.0, "name": "grader"},
-                      timeout=30).raise_for_status()
-    requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
+    grade_first_of_each_task(api, rollouts)
 
     built = lightspan("transitions", "build", "--data-dir", str(data), "--grace-s", "0")
     assert built["transitions/calls"] == 2 * SAMPLES * 2 and built["transitions/nonzero_advantage"] > 0, built
-    subprocess.run([sys.executable, "-m", "lightspan.cli", "train", "--mode", "once", "--data-dir", str(data),
-                    "--model", str(tiny_model), "--vllm-url", vllm_server.url, "--learning-rate", "1e-3",
-                    "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
-    assert json.loads((data / "policy.json").read_text())["version"] == 1
+    train_one_step(data, tiny_model, vllm_server.url)
     steps = store.connect(data).execute("SELECT policy_version, num_transitions FROM train_steps").fetchall()
     assert steps == [(1, 2 * SAMPLES * 2)], steps

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from tests.examples.test_examples import EXAMPLES, collector, lightspan, load  # noqa: F401 (collector: a fixture)
+from tests.examples.test_examples import (  # noqa: F401 (collector: a fixture)
+    EXAMPLES, collector, lightspan, load, train_one_step)
 
 SW = EXAMPLES / "scienceworld"
 ENV_MAP = "TASK_NAME=input.task_name,VARIATION_IDX=input.variation"
@@ -220,7 +221,4 @@ def test_scienceworld_trains_one_step_from_its_traces(collector, vllm_server, ti
     requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
     built = lightspan("transitions", "build", "--data-dir", str(data), "--grace-s", "0")
     assert built["transitions/calls"] == calls and built["transitions/nonzero_advantage"] > 0, built
-    subprocess.run([sys.executable, "-m", "lightspan.cli", "train", "--mode", "once", "--data-dir", str(data),
-                    "--model", str(tiny_model), "--vllm-url", vllm_server.url, "--learning-rate", "1e-3",
-                    "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
-    assert json.loads((data / "policy.json").read_text())["version"] == 1
+    train_one_step(data, tiny_model, vllm_server.url)

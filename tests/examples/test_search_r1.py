@@ -18,7 +18,8 @@ import pytest
 import requests
 
 from tests.conftest import free_port
-from tests.examples.test_examples import EXAMPLES, collector, lightspan, load  # noqa: F401 (collector: a fixture)
+from tests.examples.test_examples import (  # noqa: F401 (collector: a fixture)
+    EXAMPLES, collector, lightspan, load, grade_first_of_each_task, train_one_step)
 
 SEARCH_R1 = EXAMPLES / "search_r1"
 ENV_MAP = "QUESTION=input.question,GOLDEN_ANSWERS=input.golden_answers"
@@ -258,16 +259,7 @@ def test_search_r1_trains_one_step_from_its_traces(collector, vllm_server, tiny_
     assert len(rollouts) == 4 and all(r[2] == 0.0 for r in rollouts), rollouts
     calls = con.execute("SELECT count(*) FILTER (WHERE len(completion_token_ids) > 0) FROM llm_calls").fetchone()[0]
     assert calls >= 4
-    firsts = {}
-    for key, task_id, _ in rollouts:
-        firsts.setdefault(task_id, key)
-    for key in firsts.values():
-        requests.post(f"{api}/v1/rewards", json={"rollout_id": key, "value": 1.0, "name": "grader"},
-                      timeout=30).raise_for_status()
-    requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()
+    grade_first_of_each_task(api, rollouts)
     built = lightspan("transitions", "build", "--data-dir", str(data), "--grace-s", "0")
     assert built["transitions/calls"] == calls and built["transitions/nonzero_advantage"] > 0, built
-    subprocess.run([sys.executable, "-m", "lightspan.cli", "train", "--mode", "once", "--data-dir", str(data),
-                    "--model", str(tiny_model), "--vllm-url", vllm_server.url, "--learning-rate", "1e-3",
-                    "--loss-type", "grpo", "--sync", "reload", "--seed", "0"], check=True)
-    assert json.loads((data / "policy.json").read_text())["version"] == 1
+    train_one_step(data, tiny_model, vllm_server.url)
