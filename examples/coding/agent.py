@@ -27,6 +27,7 @@ when the model server or the sandbox is unavailable: never a reward of 0 for the
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -97,6 +98,31 @@ def working_copy(task: dict, root: Path, uid: int, size_mb: int) -> Path:
     return repo
 
 
+def reachable(path: Path) -> bool:
+    """Whether another user can open ``path`` by its name: every directory above it world-traversable."""
+    return all(p.stat().st_mode & 0o001 for p in path.parents)
+
+
+def staged(src: Path) -> Path:
+    """``src``, where the sandbox's own user id can read it: ``src`` itself when it is reachable, else a
+    copy under BASE/runtime (a checkout in a private directory, e.g. under /root or a ``mktemp -d``
+    folder, is closed to that user), keyed by the source's path and modification time, made once."""
+    if reachable(src):
+        return src
+    key = hashlib.sha1(f"{src}:{src.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    dst = BASE / "runtime" / key / src.name
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(dst.parent, 0o755)
+        tmp = dst.with_name(f"{src.name}.{os.getpid()}.tmp")
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp)
+        try:
+            os.rename(tmp, dst)               # atomic: a rollout beside this one may have made it first
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    return dst
+
+
 def sandbox_command(cfg: SandboxConfig, uid: int) -> tuple[str, list[str]]:
     """mini-swe-agent's BubblewrapEnvironment runs ``[executable, *wrapper_args, --bind CWD CWD, --chdir CWD,
     bash, -c, ACTION]``: this is its executable and wrapper_args."""
@@ -113,10 +139,10 @@ def sandbox_command(cfg: SandboxConfig, uid: int) -> tuple[str, list[str]]:
     site = Path(pytest.__file__).resolve().parent.parent
     for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py"):
         if (site / name).exists():
-            view += ["--ro-bind", str(site / name), f"/opt/coding/lib/{name}"]
+            view += ["--ro-bind", str(staged(site / name)), f"/opt/coding/lib/{name}"]
     bwrap = [shutil.which(cfg.bwrap) or cfg.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
              "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox", *view,
-             "--ro-bind", str(HERE / "sandbox_bin"), "/opt/coding/bin", "--proc", "/proc", "--dev", "/dev",
+             "--ro-bind", str(staged(HERE / "sandbox_bin")), "/opt/coding/bin", "--proc", "/proc", "--dev", "/dev",
              "--size", str(disk), "--tmpfs", "/tmp", "--remount-ro", "/", "--clearenv",
              "--setenv", "PATH", "/opt/coding/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "TMPDIR", "/tmp", "--setenv", "PYTHONPATH", "/opt/coding/lib",

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -322,3 +323,20 @@ def test_mini_swe_agent_history_grows_but_a_format_error_drops_the_reply(tmp_pat
     assert "echo hi" in second[len(first)]["content"] and "hi" in second[-1]["content"]
     assert third[:len(second)] == second and len(third) == len(second) + 1             # the bad reply is not there
     assert third[-1]["role"] == "user" and "no command here" not in json.dumps(third)
+
+
+def test_sources_the_sandbox_user_cannot_reach_are_staged_where_it_can(tmp_path, monkeypatch):
+    """A checkout in a private folder (a ``mktemp -d`` clone, /root) is closed to the sandbox's user id:
+    what the sandbox binds from it (its bin/, pytest) is copied once under CODING_WORK_DIR/runtime."""
+    agent = load(AGENT)
+    closed = tmp_path / "closed"
+    (closed / "tool").mkdir(parents=True)
+    (closed / "tool" / "run").write_text("#!/bin/sh\n")
+    os.chmod(closed, 0o700)
+    base = tmp_path / "base"
+    monkeypatch.setattr(agent, "BASE", base)
+    staged = agent.staged(closed / "tool")
+    assert staged != closed / "tool" and staged.is_relative_to(base / "runtime")
+    assert (staged / "run").read_text() == "#!/bin/sh\n"
+    assert agent.staged(closed / "tool") == staged                 # made once
+    assert agent.staged(Path("/usr/bin")) == Path("/usr/bin")      # a reachable source is bound as it is
