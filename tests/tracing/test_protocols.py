@@ -194,7 +194,10 @@ def test_a_responses_request_that_does_not_convert_goes_to_vllms_responses_route
                                  "streaming_response", "async_raw_response"])
 def test_anthropic_messages(captured, how):
     exporter, recorder = captured
-    kwargs = dict(model="policy", max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "hi"}])
+    # greedy (extra_body: this SDK's create() takes no temperature): a sampled reply of the tiny model
+    # could end within its 6 tokens (stop_reason end_turn; the fresh-clone CI run met it once)
+    kwargs = dict(model="policy", max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "hi"}],
+                  extra_body={"temperature": 0.0})
     if how == "response":
         message = _anthropic(recorder).messages.create(**kwargs)
     elif how == "raw_response":   # the body is parsed by the caller, after the call returned
