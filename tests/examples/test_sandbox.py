@@ -24,6 +24,9 @@ SANDBOX = EXAMPLES / "sandbox"
 
 def load(path: Path):
     """The example's module, registered under its own name (as the agent imports ``sandbox``)."""
+    cached = sys.modules.get(path.stem)
+    if cached is not None and Path(getattr(cached, "__file__", "") or "") != path:
+        del sys.modules[path.stem]   # another example's module of the same name (six have a make_tasks)
     sys.path.insert(0, str(SANDBOX))
     try:
         return importlib.import_module(path.stem)

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from tests.examples.test_examples import (  # noqa: F401 (collector: a fixture)
-    EXAMPLES, collector, lightspan, grade_first_of_each_task, train_one_step)
+    EXAMPLES, collector, lightspan, grade_first_of_each_task, load, train_one_step)
 
 AGENT = EXAMPLES / "sandbox" / "agent.py"
 ENV_MAP = "QUESTION=input.question,ANSWER=input.answer"
@@ -25,12 +25,7 @@ SAMPLES = 2
 def tiny_tasks(tmp_path, n: int = 2):
     """The example's own tasks, cut to fit the tiny model's context: no worked dialogues, 8 new tokens
     a turn, two turns."""
-    sys.path.insert(0, str(AGENT.parent))
-    try:
-        import make_tasks
-    finally:
-        sys.path.remove(str(AGENT.parent))
-    train, _ = make_tasks.make_splits(0, n, n)
+    train, _ = load(AGENT.parent / "make_tasks.py").make_splits(0, n, n)   # by path: six examples have a make_tasks
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({**t, "shots": 0, "max_tokens": 8, "max_turns": 2, "temperature": 0.8}) + "\n"
                             for t in train))
