@@ -65,7 +65,7 @@ EXAMPLES = {
     "gsm8k": Example(
         "examples/gsm8k/agent.py", "examples/gsm8k",
         ("--disabled-instrumentations", "langchain", "--steps", "30", *_GRPO, "--val-limit", "48",
-         "--rollout-timeout-s", "1200", "--cpu-budget-s", "2700", "--time-budget-s", "960"),
+         "--rollout-timeout-s", "1200", "--cpu-budget-s", "2700"),
         what="openai client, calculator tool (text tags)"),
     "search_r1": Example(
         "examples/search_r1/agent.py", "examples/search_r1",

@@ -45,7 +45,7 @@ def test_command_is_the_readme_command_with_seed_and_its_own_results_folder(tmp_
     assert cmd[cmd.index("--seed") + 1] == "2"
     assert cmd[cmd.index("--out-dir") + 1] == str(REPO / "examples" / "gsm8k" / "results" / "seed2")
     assert cmd[cmd.index("--env-map") + 1] == "QUESTION=input.question,ANSWER=input.answer"
-    assert cmd[cmd.index("--time-budget-s") + 1] == "960" and "--vllm-url" not in cmd
+    assert cmd[cmd.index("--cpu-budget-s") + 1] == "2700" and "--vllm-url" not in cmd
     sandbox = bench.command("sandbox", 0, tmp_path / "d", "http://127.0.0.1:9")
     assert sandbox[sandbox.index("--vllm-url") + 1] == "http://127.0.0.1:9"
     multi = bench.command("multi_agent", 0, tmp_path / "d")
