@@ -99,7 +99,7 @@ Metrics (one build):
   at the length limit, dropped or not.
 - ``transitions/prefix_mismatch/<kind>``: ``per_rollout`` calls that could not extend their
   sequence, by kind (``sequences.classify_mismatch``): ``compaction``, ``chat_template``,
-  ``retokenization``, ``tool_text``.
+  ``retokenization``, ``tool_text``, ``reply_dropped``.
 - ``transitions/rows_per_rollout_mean``, ``/rows_per_rollout_max``: rows per emitted rollout;
   ``/merge_rate``: the share of emitted rollouts written as one row.
 - ``transitions/outcomes/<ok|failed|masked>``: emitted rollouts by outcome.

@@ -113,7 +113,7 @@ class TransitionsConfig:
         "sequence when its prompt starts with call k's prompt + completion; the tokens the model "
         "did not produce (tool outputs, user turns, template tokens) get completion_mask 0. A prompt "
         "that does not extend the sequence starts a new one and is counted by kind "
-        "(transitions/prefix_mismatch/<compaction|chat_template|retokenization|tool_text>): a new segment "
+        "(transitions/prefix_mismatch/<compaction|chat_template|retokenization|tool_text|reply_dropped>): a new segment "
         "of the same rollout (columns segment, segment_cause). A sequence's advantage "
         "is its first call's: the rollout's under 'identical', the return-to-go from the sequence's "
         "start under 'discounted'.",

@@ -41,9 +41,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-MISMATCH_KINDS = ("compaction", "chat_template", "retokenization", "tool_text")
+MISMATCH_KINDS = ("compaction", "chat_template", "retokenization", "tool_text", "reply_dropped")
 EDGE = 2
 """Tokens at each end of a completion where a difference is the template's (stop token, spaces)."""
+GENERATION_PROMPT = 8
+"""At most this many tokens end every prompt the same way (the template's generation prompt,
+``<|im_start|>assistant\n``): a next prompt that departs from the prompt only there dropped the reply."""
 
 
 def classify_mismatch(prompt, completion, next_prompt) -> str:
@@ -61,11 +64,15 @@ def classify_mismatch(prompt, completion, next_prompt) -> str:
     - ``tool_text``: ``prompt`` is kept but less than half of the completion reappears where it
       should: the harness re-wrote the assistant turn (e.g. parsed its tool call and rendered it
       as its own tool-call text) or put something else there.
+    - ``reply_dropped``: ``next_prompt`` keeps ``prompt`` up to the generation prompt both end
+      with (their common suffix, at most ``GENERATION_PROMPT`` tokens) and departs from it only
+      there: the harness left the reply out of its history and went on (mini-swe-agent drops a
+      reply it could not parse and sends its format-error message instead).
     """
     prompt, completion, next_prompt = (np.asarray(a) for a in (prompt, completion, next_prompt))
     n, start = len(completion), len(prompt)
     if len(next_prompt) < start or not np.array_equal(next_prompt[:start], prompt):
-        return "compaction"
+        return "reply_dropped" if _departs_at_generation_prompt(prompt, next_prompt) else "compaction"
     window = next_prompt[start:start + n + EDGE].tolist()
     ops = difflib.SequenceMatcher(None, completion.tolist(), window, autojunk=False).get_opcodes()
     template = True
@@ -79,6 +86,16 @@ def classify_mismatch(prompt, completion, next_prompt) -> str:
         return "chat_template"
     kept = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag == "equal")
     return "retokenization" if 2 * kept >= n else "tool_text"
+
+
+def _departs_at_generation_prompt(prompt: np.ndarray, next_prompt: np.ndarray) -> bool:
+    """Whether ``next_prompt`` keeps all of ``prompt`` before their common ending (the generation
+    prompt: the last tokens both share, at most ``GENERATION_PROMPT``) and departs within it."""
+    g = 0
+    while g < min(GENERATION_PROMPT, len(prompt) - 1, len(next_prompt)) and prompt[-1 - g] == next_prompt[-1 - g]:
+        g += 1
+    keep = len(prompt) - g
+    return g > 0 and len(next_prompt) > keep and np.array_equal(next_prompt[:keep], prompt[:keep])
 
 
 class Merged(NamedTuple):

@@ -37,6 +37,7 @@ const SEGMENT_WHY = {
   chat_template: "the chat template re-rendered the previous turn",
   retokenization: "the same text was tokenised differently",
   tool_text: "the previous reply was re-written in its place (e.g. as the harness's tool-call text)",
+  reply_dropped: "the previous reply was left out of the history (e.g. a reply the harness could not parse)",
 };
 
 // a new segment of the trajectory begins at this call (per_rollout builds): where and why

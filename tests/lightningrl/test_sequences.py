@@ -51,8 +51,25 @@ def test_doubled_im_end_in_the_completion_is_the_template():
         == "chat_template"
 
 
+# a rendered chat: system, user, then the generation prompt <|im_start|> assistant \n (5 6 7)
+GEN = [5, 6, 7]
+CHAT = [1, 20, 21, 4, NL, 5, 30, 31, 32, 4, NL] + GEN
+
+
+@pytest.mark.parametrize("name, next_prompt, kind", [
+    # mini-swe-agent: the reply could not be parsed, so it is left out and a user turn follows
+    ("reply left out, a user turn after", CHAT[:-len(GEN)] + [5, 33, 40, 41, 4, NL] + GEN, "reply_dropped"),
+    ("reply left out, the same generation prompt only", CHAT[:-len(GEN)] + [5, 30, 42, 4, NL] + GEN, "reply_dropped"),
+    ("the user turn before the reply rewritten", CHAT[:6] + [39, 31, 32, 4, NL] + GEN + C + [NL] + GEN, "compaction"),
+    ("history truncated before the reply", CHAT[5:] + C + [NL] + GEN, "compaction"),
+    ("ends differently: no generation prompt in common", CHAT[:-len(GEN)] + [5, 33, 40], "compaction"),
+])
+def test_a_reply_left_out_of_the_history_is_told_from_compaction(name, next_prompt, kind):
+    assert classify_mismatch(np.array(CHAT), np.array(C), np.array(next_prompt)) == kind, name
+
+
 def test_mismatch_kinds_and_output_modes_are_closed_sets():
-    assert sequences.MISMATCH_KINDS == ("compaction", "chat_template", "retokenization", "tool_text")
+    assert sequences.MISMATCH_KINDS == ("compaction", "chat_template", "retokenization", "tool_text", "reply_dropped")
     assert tuple(assignment.OUTPUTS) == OUTPUTS == ("per_call", "per_rollout")
 
 
@@ -106,7 +123,7 @@ def test_per_rollout_merges_matching_turns_by_hand(tmp_path):
     assert all(r["credit"] == r["reward"] for r in rows)
     assert m["transitions/sequences"] == 7 and m["transitions/calls"] == 9 and m["transitions/rollouts"] == 4
     assert {k.rsplit("/", 1)[1]: v for k, v in m.items() if "prefix_mismatch" in k} == {
-        "compaction": 1, "chat_template": 1, "retokenization": 1, "tool_text": 0}
+        "compaction": 1, "chat_template": 1, "retokenization": 1, "tool_text": 0, "reply_dropped": 0}
     # each row's segment of its rollout and the mismatch that started it
     assert [(r["rollout_id"], r["segment"], r["segment_cause"], r["rollout_rows"]) for r in rows] == [
         ("a", 0, None, 1), ("b", 0, None, 2), ("b", 1, "chat_template", 2), ("c", 0, None, 2),
