@@ -62,6 +62,35 @@ def _jobs(cfg, args) -> int:
     return 0
 
 
+def _gateway(cfg, args) -> int:
+    from lightspan.rollout.canary import SECTION, CanaryConfig
+    from lightspan.rollout.gateway import serve
+
+    return serve(cfg, resolve(CanaryConfig, section=SECTION, file=args.config))   # [canary] of the same file
+
+
+def _deploy(args) -> int:
+    from lightspan import store
+    from lightspan.rollout.canary import by_hand
+    from lightspan.store import deployments
+
+    data_dir = store.data_dir(args.data_dir)
+    if args.action == "list":
+        return _print_json([{**vars(d), "rolled_back": sorted(d.rolled_back), "history": list(d.history)}
+                            for d in deployments.state(data_dir).values()])
+    if args.version is None:
+        raise ConfigError("deploy", "version", f"{args.action} needs the version", f"pass lightspan deploy {args.action} N")
+    return _print_json(by_hand(data_dir, args.action, args.version, args.policy, args.reason))
+
+
+def _deploy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "promote", "rollback"])
+    p.add_argument("version", nargs="?", type=int, help="the policy version to promote or roll back")
+    p.add_argument("--policy", default="", help="the named policy (default: the unnamed one)")
+    p.add_argument("--reason", default="", help="why, stored with the decision")
+    p.add_argument("--data-dir", default=None, help="data directory (default $LIGHTSPAN_DATA_DIR or ./lightspan-data)")
+
+
 def _transitions(cfg, args) -> int:
     from lightspan.lightningrl.builder import run
 
@@ -231,7 +260,9 @@ JOBS = {
     "jobs": Job("render one Kubernetes Job per task sample (YAML on stdout, for kubectl apply -f -)",
                 _jobs, "lightspan.rollout.k8s:JobsConfig", "rollout", command=True),
     "gateway": Job("OpenAI/Anthropic-compatible proxy in front of vLLM: token-id capture and GenAI spans for any agent",
-                   _call("lightspan.rollout.gateway:serve"), "lightspan.rollout.gateway:GatewayConfig", "gateway"),
+                   _gateway, "lightspan.rollout.gateway:GatewayConfig", "gateway"),
+    "deploy": Job("canaries by hand: list the serving and candidate versions, promote or roll back a version "
+                  "(a rolled-back one never serves again unless promoted)", _deploy, arguments=_deploy_arguments),
     "transitions": Job("build training transitions from stored rollouts (LightningRL credit + GRPO advantages)",
                        _transitions, "lightspan.lightningrl.config:TransitionsConfig", "transitions",
                        actions=("build",)),
@@ -252,7 +283,7 @@ JOBS = {
     "import": Job("read OTLP JSON files (the OTel Collector file exporter's format, .gz/.zst too) into the store: "
                   "the receivers' checks, idempotent, malformed lines reported by file and line", _import,
                   arguments=_import_arguments),
-    "sql": Job("run SQL over the stored spans, rollouts, rewards, transitions, train_steps", _sql,
+    "sql": Job("run SQL over the stored spans, rollouts, rewards, transitions, train_steps, deployments", _sql,
                arguments=_sql_arguments),
     "model": Job("make a model vLLM can serve and reload: the SmolLM2 demo model or a tiny test model", _model,
                  arguments=_model_arguments),

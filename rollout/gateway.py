@@ -38,6 +38,8 @@ Weight updates: ``POST /admin/pause`` refuses new generation requests with 429 a
 ``{"model_version": N}``) lets them in again. ``GET /admin/status`` and ``GET /health`` report.
 The policy version on the spans is the one given at resume, else ``DATA_DIR/policy.json`` (with
 several policies, the version of the policy the call's model name is).
+With ``[canary] enabled`` a new policy version serves a share of rollouts until a rule promotes or
+rolls it back (:mod:`lightspan.rollout.canary`: the call goes to the arm's versioned model name).
 With ``upstreams`` (several vLLM replicas) each call goes to the replica of its rollout, so a
 rollout's turns share one prefix cache, and no call goes to a replica the trainer's last sync took
 out of rotation (:mod:`lightspan.rollout.replicas`); a replica that refuses or resets a connection
@@ -69,6 +71,7 @@ from lightspan.core import web
 from lightspan.core.config import ConfigError, redact
 from lightspan.rollout import paths
 from lightspan.rollout.admission import Admission, PolicyVersion
+from lightspan.rollout.canary import Canary, CanaryConfig
 from lightspan.rollout.gateway_config import GatewayConfig
 from lightspan.rollout.exchanges import Exchange, error_body, invalid
 from lightspan.rollout.paths import ENDPOINTS, call_attributes, route
@@ -99,7 +102,7 @@ class Gateway:
     """The proxy server; ``start()`` binds and serves in a thread, ``stop()`` drains nothing and
     closes (use ``/admin/pause`` first for a graceful stop, as :func:`serve` does)."""
 
-    def __init__(self, cfg: GatewayConfig, tracer_provider=None):
+    def __init__(self, cfg: GatewayConfig, tracer_provider=None, canary: CanaryConfig | None = None):
         self.cfg = cfg
         self.upstream = cfg.upstream.rstrip("/").removesuffix("/v1")  # an OPENAI_BASE_URL works too
         self.tracer = trace.get_tracer("lightspan.gateway", tracer_provider=tracer_provider)
@@ -109,6 +112,9 @@ class Gateway:
         self.guard = web.Guard(cfg.allowed_hosts, "gateway.allowed_hosts")
         self.client = Upstream(self.upstream, cfg.max_in_flight, cfg.upstream_timeout_s)
         self.rewards = RewardPoster(cfg.collector_api_url, cfg.collector_token, cfg.read_timeout_s, cfg.retry_after_s)
+        self.canary = Canary(canary, cfg.data_dir, self.version.published,
+                             lambda: self.replicas.candidates() if self.replicas else [self.upstream]) \
+            if canary is not None and canary.enabled else None
         self._server: web.Server | None = None
 
     @property
@@ -121,6 +127,8 @@ class Gateway:
         limits = web.Limits(max_connections=self.cfg.max_connections, read_timeout_s=self.cfg.read_timeout_s,
                              retry_after_s=self.cfg.retry_after_s,
                              max_inflight_bytes=max(256 << 20, 4 * self.cfg.max_body_bytes))
+        if self.canary is not None:
+            self.canary.start()       # the decisions read before the first call is routed
         self._server = web.Server(self.handle, self.cfg.host, self.cfg.port, limits=limits, name="lightspan-gateway")
         self._server.start()
         log.info("gateway on %s -> %s", self.url, redact(", ".join(self.cfg.upstreams) or self.upstream))
@@ -131,11 +139,14 @@ class Gateway:
             return
         self._server.stop()
         self._server = None
+        if self.canary is not None:
+            self.canary.stop()
 
     def status(self) -> dict:
         a = self.admission
         with a.cond:
-            return {"paused": a.paused, "in_flight": a.in_flight, "model_version": self.version.get(), **a.counts}
+            doc = {"paused": a.paused, "in_flight": a.in_flight, "model_version": self.version.get(), **a.counts}
+        return doc if self.canary is None else {**doc, "canary": self.canary.status()}
 
     # --- routes ------------------------------------------------------------------------------
     def handle(self, request: web.Request) -> web.Response | None:
@@ -285,13 +296,13 @@ class Gateway:
             raise web.HTTPError(429, "paused for a weight update" if refused == "paused"
                                  else "too many requests in flight", {"Retry-After": str(self.cfg.retry_after_s)})
         try:
-            asked = self._routed(asked, ids.get(semconv.GEN_AI_AGENT_NAME))
+            asked, version = self._routed(asked, ids, request.headers.get("traceparent"))
             ex = Exchange(protocol, asked, upstream, self.cfg.strip_capture_fields, self.cfg.capture_content)
-            return self._traced(request, ex, ids)
+            return self._traced(request, ex, ids, version)
         finally:
             self.admission.leave()
 
-    def _traced(self, request: web.Request, ex: Exchange, ids: dict) -> web.Response | None:
+    def _traced(self, request: web.Request, ex: Exchange, ids: dict, version: int | None) -> web.Response | None:
         model = str(ex.asked.get("model", ""))
         op = ex.protocol.operation
         attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: op, semconv.GEN_AI_REQUEST_MODEL: model,
@@ -332,7 +343,8 @@ class Gateway:
                     return _error(ex.protocol, 502, f"upstream answer unreadable: {e}")
             complete = ex.finished
             if complete:
-                span.set_attributes({**ex.attributes(self.version.get(), self.cfg.capture_content),
+                served = self.version.get() if version is None else version    # the canary's arm
+                span.set_attributes({**ex.attributes(served, self.cfg.capture_content),
                                      **served_attributes(self.version.published(), model)})
             else:
                 span.set_attribute(semconv.CAPTURE_STATUS, "stream_incomplete")
@@ -349,13 +361,17 @@ class Gateway:
                 request.abandon()              # unterminated: the caller sees the break
         return answer
 
-    def _routed(self, asked: dict, agent: str | None) -> dict:
-        """The request with the model of the policy that owns ``agent`` (rollout/routing.py)."""
+    def _routed(self, asked: dict, ids: dict, traceparent: str | None) -> tuple[dict, int | None]:
+        """The request with the model of the policy that owns the caller's agent (rollout/routing.py),
+        then of its canary arm, and that arm's version (None without a canary)."""
+        agent, version = ids.get(semconv.GEN_AI_AGENT_NAME), None
         try:
             model = served_model(self.cfg.policy_configs, agent, asked.get("model"))
         except ConfigError as e:      # two policies' agent_match patterns claim this agent
             raise web.HTTPError(400, f"agent {agent!r} cannot be routed: {e}") from None
-        return asked if model == asked.get("model") else {**asked, "model": model}
+        if self.canary is not None:   # one rollout, one arm: its id, else its trace
+            model, version = self.canary.route(model, untraced_key(ids.get(semconv.ROLLOUT_ID), traceparent))
+        return (asked if model == asked.get("model") else {**asked, "model": model}), version
 
     def _upstream_failed(self, span, message: str, code: int | None = None) -> None:
         span.set_attribute(semconv.CAPTURE_STATUS, "upstream_error")
@@ -395,10 +411,10 @@ def _tracer_provider(cfg: GatewayConfig):
     return provider
 
 
-def serve(cfg: GatewayConfig) -> int:
+def serve(cfg: GatewayConfig, canary: CanaryConfig | None = None) -> int:
     """Run in the foreground (``lightspan gateway``). SIGTERM/SIGINT: pause, drain, flush spans, exit."""
     provider = _tracer_provider(cfg)
-    gateway = Gateway(cfg, provider)
+    gateway = Gateway(cfg, provider, canary)
     gateway.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

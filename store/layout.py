@@ -6,6 +6,7 @@
     logs/date=YYYY-MM-DD/part-*.parquet       one row per OTLP log record (GenAI events), by date
     transitions/part-*.parquet                 written by ``lightspan transitions build``
     train_steps/part-*.parquet                 written by ``lightspan train``
+    deployments/part-*.parquet                 canary decisions (lightspan.store.deployments)
     policy.json                                the served policy (lightspan.store.policy)
     wal/                                       the collector's write-ahead log
     rollout-logs/, checkpoints/                each rollout's output; the trainer's checkpoints

@@ -149,8 +149,30 @@ LOG_SCHEMA = pa.schema([
 ])
 """One row per OTLP log record. Logs have no ids, so a content hash deduplicates re-sent ones."""
 
+DEPLOYMENT_SCHEMA = pa.schema([
+    ("time_unix_nano", pa.int64()),          # when the decision was made (its row's order)
+    ("policy", pa.string()),                 # the named policy; null: the unnamed policy
+    ("version", pa.int64()),                 # the policy version the decision is about
+    ("action", pa.string()),                 # serve, canary, promote, rollback (store/deployments.py)
+    ("actor", pa.string()),                  # auto (the gateway's rule) or manual (lightspan deploy)
+    ("share", pa.float64()),                 # canary: the share of rollouts the version gets
+    ("serving_version", pa.int64()),         # the version it was compared with (serving then)
+    ("checkpoint", pa.string()),             # the version's checkpoint (policy.json's path), if known
+    # the evidence of an automatic decision: rewarded rollouts and mean reward per arm, the
+    # one-sided Welch statistic of (candidate - serving + margin), its degrees of freedom and p-value
+    ("candidate_rollouts", pa.int64()),
+    ("serving_rollouts", pa.int64()),
+    ("candidate_reward_mean", pa.float64()),
+    ("serving_reward_mean", pa.float64()),
+    ("t_statistic", pa.float64()),
+    ("df", pa.float64()),
+    ("p_value", pa.float64()),
+    ("reason", pa.string()),
+])
+"""One row per deployment decision about a policy version: the canary state is their fold."""
+
 SCHEMAS = {"spans": SPAN_SCHEMA, "transitions": TRANSITION_SCHEMA, "train_steps": TRAIN_STEP_SCHEMA,
-           "logs": LOG_SCHEMA}
+           "logs": LOG_SCHEMA, "deployments": DEPLOYMENT_SCHEMA}
 TABLES = tuple(SCHEMAS)
 """The base tables: one directory each under the data directory."""
 
