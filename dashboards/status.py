@@ -19,7 +19,9 @@ from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 SECTION = "status"
-_DIRS = ("spans", "logs", "wal", "transitions", "train_steps", "checkpoints", "rollout-logs")
+_DIRS = ("spans", "logs", "wal", "transitions", "train_steps", "deployments", "checkpoints", "rollout-logs")
+_DECISIONS = 5
+"""The latest deployment decisions shown."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,12 @@ def data_summary(root: Path | str) -> dict:
                        loss, kl, entropy, clip_ratio, is_ratio_mean, staleness_mean, sync_seconds, policy
                 FROM train_steps QUALIFY row_number() OVER (PARTITION BY policy ORDER BY time_unix_nano DESC) = 1
                 ORDER BY time_unix_nano DESC""").fetchall()
+            deployed = deployments_summary(con, root)
         finally:
             con.close()
-        return spans, llm_calls, splits, transitions, built, steps, runs, last, latest
+        return spans, llm_calls, splits, transitions, built, steps, runs, last, latest, deployed
 
-    spans, llm_calls, splits, transitions, builds, steps, runs, last, latest = store.retry_vanished(read)
+    spans, llm_calls, splits, transitions, builds, steps, runs, last, latest, deployed = store.retry_vanished(read)
     published = store.policy.read_all(root)
     policy = {"version": published[""].version, "path": published[""].path} if "" in published else None
     policies = [{"name": name, "version": p.version, "path": p.path} for name, p in sorted(published.items()) if name]
@@ -93,7 +96,29 @@ def data_summary(root: Path | str) -> dict:
             "last_span_unix_nano": last, "transitions": transitions, "transition_builds": builds,
             "train_steps": steps, "training_runs": runs, "policy": policy, "policies": policies,
             "latest_run": run, "latest_by_policy": {r["policy"]: r for r in by_policy if r["policy"]},
+            "deployments": deployed,
             "disk_bytes": disk_usage(where) if exists else {}}
+
+
+def deployments_summary(con, root) -> dict:
+    """Canaries (store/deployments.py): per policy the serving version, the candidate with its share
+    and the rewarded rollouts of each arm so far, the rolled-back versions; the latest decisions."""
+    from lightspan.store import deployments
+
+    rows = deployments.Reader(root).rows()
+    policies = []
+    for name, d in sorted(deployments.fold(rows).items()):
+        doc = {"policy": name, "serving": d.serving, "candidate": d.candidate, "share": d.share if d.candidate else 0.0,
+               "since_unix_nano": d.since_unix_nano or None, "rolled_back": sorted(d.rolled_back), "arms": None}
+        if d.candidate is not None and d.serving is not None:
+            rewards = deployments.arm_rewards(con, name, (d.candidate, d.serving), d.since_unix_nano, 1 << 31)
+            doc["arms"] = {str(v): {"rollouts": len(r), "reward_mean": sum(r) / len(r) if r else None}
+                           for v, r in rewards.items()}
+        policies.append(doc)
+    keep = ("time_unix_nano", "policy", "version", "action", "actor", "share", "serving_version",
+            "candidate_rollouts", "serving_rollouts", "candidate_reward_mean", "serving_reward_mean", "p_value", "reason")
+    latest = sorted(rows, key=lambda r: r["time_unix_nano"], reverse=True)[:_DECISIONS]
+    return {"policies": policies, "decisions": [{k: r[k] for k in keep} for r in latest]}
 
 
 def inference_summary(url: str, timeout_s: float) -> dict:
@@ -156,6 +181,17 @@ def render(doc: dict) -> str:
                      else "  policy        none published (no policy.json)")
     for p in d["policies"]:     # several policies: each served under its name
         lines.append(f"  policy        {p['name']}: version {p['version']} at {p['path']}")
+    for p in d["deployments"]["policies"]:
+        canary = "no canary"
+        if p["candidate"] is not None:
+            arms = p["arms"] or {}
+            evidence = ", ".join(f"v{v}: {a['rollouts']} rewarded, mean {_num(a['reward_mean'], 3)}" for v, a in arms.items())
+            canary = f"canary v{p['candidate']} on {p['share']:.0%} of rollouts since {when(p['since_unix_nano'])} ({evidence})"
+        back = f"; rolled back: {', '.join(f'v{v}' for v in p['rolled_back'])}" if p["rolled_back"] else ""
+        lines.append(f"  deployment    {p['policy'] + ': ' if p['policy'] else ''}serving v{p['serving']}, {canary}{back}")
+    for r in d["deployments"]["decisions"]:
+        lines.append(f"  decision      {when(r['time_unix_nano'])} {r['action']} v{r['version']}"
+                     f"{' of ' + r['policy'] if r['policy'] else ''} ({r['actor']}): {r['reason']}")
     if d["disk_bytes"]:
         parts = ", ".join(f"{k} {_size(v)}" for k, v in d["disk_bytes"].items() if k != "total" and v)
         lines.append(f"  disk          {_size(d['disk_bytes']['total'])}" + (f" ({parts})" if parts else ""))
