@@ -20,6 +20,7 @@ from __future__ import annotations
 import duckdb
 
 from lightspan import store
+from lightspan.store import deployments
 from lightspan.dashboards.ui import MAX_LIMIT, BadParameter, Params, check_known, integer, number, one, records
 
 # --- training ------------------------------------------------------------------------------------
@@ -71,7 +72,8 @@ def training(con: duckdb.DuckDBPyConnection, params: Params) -> dict:
              if s["entropy_floor"] and s["entropy"] is not None and s["entropy"] < s["entropy_floor"]]
     policy = next((r["policy"] for r in runs if r["run_id"] == run), None)
     return {"runs": runs, "run_id": run, "policy": policy, "steps": steps, "reward_by_version": by_version,
-            "reward_by_source": by_source, "entropy_warnings": below}
+            "reward_by_source": by_source, "entropy_warnings": below,
+            "deployments": deployments.summary(con)}           # canaries: versions, shares, decisions
 
 
 # --- the annotation queue ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 import requests
 
 from lightspan import store
+from lightspan.store import deployments
 from lightspan.core.config import ConfigError, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
@@ -74,7 +75,7 @@ def data_summary(root: Path | str) -> dict:
                        loss, kl, entropy, clip_ratio, is_ratio_mean, staleness_mean, sync_seconds, policy
                 FROM train_steps QUALIFY row_number() OVER (PARTITION BY policy ORDER BY time_unix_nano DESC) = 1
                 ORDER BY time_unix_nano DESC""").fetchall()
-            deployed = deployments_summary(con, root)
+            deployed = deployments.summary(con, _DECISIONS)
         finally:
             con.close()
         return spans, llm_calls, splits, transitions, built, steps, runs, last, latest, deployed
@@ -98,27 +99,6 @@ def data_summary(root: Path | str) -> dict:
             "latest_run": run, "latest_by_policy": {r["policy"]: r for r in by_policy if r["policy"]},
             "deployments": deployed,
             "disk_bytes": disk_usage(where) if exists else {}}
-
-
-def deployments_summary(con, root) -> dict:
-    """Canaries (store/deployments.py): per policy the serving version, the candidate with its share
-    and the rewarded rollouts of each arm so far, the rolled-back versions; the latest decisions."""
-    from lightspan.store import deployments
-
-    rows = deployments.Reader(root).rows()
-    policies = []
-    for name, d in sorted(deployments.fold(rows).items()):
-        doc = {"policy": name, "serving": d.serving, "candidate": d.candidate, "share": d.share if d.candidate else 0.0,
-               "since_unix_nano": d.since_unix_nano or None, "rolled_back": sorted(d.rolled_back), "arms": None}
-        if d.candidate is not None and d.serving is not None:
-            rewards = deployments.arm_rewards(con, name, (d.candidate, d.serving), d.since_unix_nano, 1 << 31)
-            doc["arms"] = {str(v): {"rollouts": len(r), "reward_mean": sum(r) / len(r) if r else None}
-                           for v, r in rewards.items()}
-        policies.append(doc)
-    keep = ("time_unix_nano", "policy", "version", "action", "actor", "share", "serving_version",
-            "candidate_rollouts", "serving_rollouts", "candidate_reward_mean", "serving_reward_mean", "p_value", "reason")
-    latest = sorted(rows, key=lambda r: r["time_unix_nano"], reverse=True)[:_DECISIONS]
-    return {"policies": policies, "decisions": [{k: r[k] for k in keep} for r in latest]}
 
 
 def inference_summary(url: str, timeout_s: float) -> dict:

@@ -164,3 +164,25 @@ def arm_rewards(con, policy: str, versions: tuple[int, ...], since_unix_nano: in
     for version, reward in rows:
         out[int(version)].append(float(reward))
     return out
+
+
+def summary(con, decisions: int = 5) -> dict:
+    """For ``lightspan status`` and the web UI, from the views of DuckDB connection ``con``: per
+    policy the serving version, the candidate with its share and each arm's rewarded rollouts and
+    mean reward since the canary began, the rolled-back versions; the latest ``decisions`` rows."""
+    cursor = con.execute(f"SELECT * FROM {TABLE}")
+    names = [c[0] for c in cursor.description]
+    rows = [dict(zip(names, r)) for r in cursor.fetchall()]
+    policies = []
+    for name, d in sorted(fold(rows).items()):
+        doc = {"policy": name, "serving": d.serving, "candidate": d.candidate, "share": d.share if d.candidate else 0.0,
+               "since_unix_nano": d.since_unix_nano or None, "rolled_back": sorted(d.rolled_back), "arms": None}
+        if d.candidate is not None and d.serving is not None:
+            rewards = arm_rewards(con, name, (d.candidate, d.serving), d.since_unix_nano, 1 << 31)
+            doc["arms"] = {str(v): {"rollouts": len(r), "reward_mean": sum(r) / len(r) if r else None}
+                           for v, r in rewards.items()}
+        policies.append(doc)
+    keep = ("time_unix_nano", "policy", "version", "action", "actor", "share", "serving_version", "candidate_rollouts",
+            "serving_rollouts", "candidate_reward_mean", "serving_reward_mean", "p_value", "reason")
+    latest = sorted(rows, key=lambda r: r["time_unix_nano"], reverse=True)[:decisions]
+    return {"policies": policies, "decisions": [{k: r[k] for k in keep} for r in latest]}

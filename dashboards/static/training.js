@@ -1,5 +1,6 @@
 // The training page: the steps of one run (reward, loss, KL, clipping, entropy against its floor,
-// IS ratio, throughput, staleness, sync time), the reward per policy version and the reward drift.
+// IS ratio, throughput, staleness, sync time), the reward per policy version and the reward drift,
+// and the canaries: which version serves, the candidate's share and evidence, the latest decisions.
 
 import {lineChart} from "./charts.js";
 import {api, el, fmt, show, stat, time} from "./lib.js";
@@ -46,6 +47,7 @@ export async function trainingPage(params) {
       lineChart("Tokens / s", [{name: "tokens/s", points: by("tokens_per_second")}], {id: "chart-tps"}),
       lineChart("Staleness (versions)", [{name: "staleness", points: by("staleness_mean")}], {id: "chart-staleness"}),
       lineChart("Weight-sync latency (s)", [{name: "sync", points: by("sync_seconds")}], {id: "chart-sync"})),
+    deploymentsSection(doc.deployments),
     el("h2", {text: "Steps"}),
     el("table", {id: "steps"},
       el("thead", {}, el("tr", {}, ["step", "version", "time (UTC)", "transitions", "tokens", "reward", "loss", "KL", "clip", "entropy",
@@ -69,4 +71,27 @@ function entropyWarning(doc) {
     text: `Entropy below the floor at ${below.length} step(s), last at step ${step.step}: ${fmt(step.entropy, 3)} < `
       + `${fmt(step.entropy_floor, 3)} nats/token. Exploration is collapsing: the policy samples nearly the same tokens every `
       + "time (consider a lower learning rate, a KL penalty, a higher temperature, or an earlier checkpoint)."});
+}
+
+// canaries (lightspan deploy, [canary] of the gateway): nothing when the store has no decision
+function deploymentsSection(d) {
+  if (!d.policies.length) return "";
+  const arms = (p) => p.arms ? Object.entries(p.arms).map(([v, a]) => `v${v}: ${fmt(a.rollouts)} rewarded, mean ${fmt(a.reward_mean, 3)}`).join("; ") : "—";
+  return el("div", {id: "deployments"},
+    el("h2", {text: "Deployments"}),
+    el("table", {id: "deployment-versions"},
+      el("thead", {}, el("tr", {}, ["policy", "serving", "canary", "share", "since (UTC)", "evidence", "rolled back"].map((h) => el("th", {text: h})))),
+      el("tbody", {}, d.policies.map((p) => el("tr", {class: "deployment-row"},
+        el("td", {text: p.policy || "(unnamed)"}), el("td", {class: "num", text: `v${p.serving}`}),
+        el("td", {class: "num", text: p.candidate === null ? "—" : `v${p.candidate}`}),
+        el("td", {class: "num", text: p.candidate === null ? "—" : `${fmt(100 * p.share, 0)}%`}),
+        el("td", {class: "num", text: p.since_unix_nano ? time(p.since_unix_nano) : "—"}),
+        el("td", {text: arms(p)}), el("td", {text: p.rolled_back.map((v) => `v${v}`).join(", ") || "—"}))))),
+    el("table", {id: "deployment-decisions"},
+      el("thead", {}, el("tr", {}, ["time (UTC)", "policy", "decision", "version", "by", "candidate / serving rollouts", "p", "reason"].map((h) => el("th", {text: h})))),
+      el("tbody", {}, d.decisions.map((r) => el("tr", {class: "decision-row"},
+        el("td", {class: "num", text: time(r.time_unix_nano)}), el("td", {text: r.policy || "(unnamed)"}),
+        el("td", {text: r.action}), el("td", {class: "num", text: `v${r.version}`}), el("td", {text: r.actor}),
+        el("td", {class: "num", text: r.candidate_rollouts === null ? "—" : `${fmt(r.candidate_rollouts)} / ${fmt(r.serving_rollouts)}`}),
+        el("td", {class: "num", text: r.p_value === null ? "—" : fmt(r.p_value, 3)}), el("td", {text: r.reason}))))));
 }

@@ -56,3 +56,16 @@ def test_status_shows_versions_shares_decisions_and_evidence(tmp_path, capsys):
 def test_status_without_canaries_says_nothing_of_them(tmp_path, capsys):
     assert main(["status", "--data-dir", str(tmp_path), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["data"]["deployments"] == {"policies": [], "decisions": []}
+
+
+def test_the_web_uis_training_page_gets_the_canaries(tmp_path):
+    from lightspan.dashboards import quality
+    from lightspan.store.sql import sql_connection
+
+    con = sql_connection(_store(tmp_path))        # the UI's read-only connection
+    try:
+        doc = quality.training(con, {})["deployments"]
+    finally:
+        con.close()
+    assert [(p["serving"], p["candidate"], p["arms"]["2"]["rollouts"]) for p in doc["policies"]] == [(1, 2, 4)]
+    assert doc["decisions"][0]["action"] == "canary" and doc["decisions"][0]["reason"] == "published by training"
