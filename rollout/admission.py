@@ -2,14 +2,21 @@
 
 :class:`Admission` holds the in-flight bound and the pause/drain of a weight update under one
 condition variable (the request handlers on the event loop and ``serve``'s signal handling on the
-main thread both use it); :class:`PolicyVersion` is the version recorded on the spans.
+main thread both use it); :class:`PolicyVersion` is the version recorded on the spans; :func:`admin`
+answers the gateway's admin routes over both.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Callable
+from urllib.parse import parse_qs
 
 from lightspan import store
+from lightspan.core import web
+
+_ADMIN_BODY_BYTES = 64 << 10
 
 
 class Admission:
@@ -89,3 +96,48 @@ class PolicyVersion:
             return 0  # no policy published yet: the initial model
         policy = published.get("")
         return policy.version if policy is not None else None
+
+
+def admin(request: web.Request, admission: Admission, version: PolicyVersion, status: Callable[[], dict],
+          drain_timeout_s: float) -> web.Response:
+    """``GET /admin/status``, ``POST /admin/pause`` (``?timeout_s=``: 200 drained, 504 still
+    draining) and ``POST /admin/resume`` (optional ``{"model_version": N}``) of an authorised caller."""
+    routes = {("GET", "/admin/status"): None, ("POST", "/admin/pause"): _pause, ("POST", "/admin/resume"): _resume}
+    if (request.method, request.path) not in routes:
+        if request.path in ("/admin/status", "/admin/pause", "/admin/resume"):
+            raise web.HTTPError(405, f"method {request.method} not allowed on {request.path}")
+        raise web.HTTPError(404, "admin routes: GET /admin/status, POST /admin/pause, POST /admin/resume")
+    run = routes[(request.method, request.path)]
+    return web.json_response(200, status()) if run is None else run(request, admission, version, status,
+                                                                      drain_timeout_s)
+
+
+def _pause(request: web.Request, admission: Admission, version, status, drain_timeout_s: float) -> web.Response:
+    request.body(_ADMIN_BODY_BYTES)   # read and ignored
+    value = (parse_qs(request.query).get("timeout_s") or [drain_timeout_s])[0]
+    try:
+        timeout = float(value)
+        if not (math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(value)
+    except ValueError:
+        raise web.HTTPError(400, f"timeout_s={str(value)[:40]!r} is not a number of seconds >= 0") from None
+    drained = admission.pause(timeout)
+    return web.json_response(200 if drained else 504, {"drained": drained, **status()})
+
+
+def _resume(request: web.Request, admission: Admission, version: PolicyVersion, status, _timeout) -> web.Response:
+    number = None
+    if request.content_length:
+        doc = request.json(_ADMIN_BODY_BYTES)
+        if doc is not None and not isinstance(doc, dict):
+            raise web.HTTPError(400, 'body must be JSON like {"model_version": 3}')
+        number = (doc or {}).get("model_version")
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int)
+                                   or not 0 <= number < 1 << 63):
+            raise web.HTTPError(400, f"model_version must be a whole number >= 0, got {str(number)[:40]}")
+    else:
+        request.body(0)
+    if number is not None:
+        version.override = number
+    admission.resume()
+    return web.json_response(200, status())

@@ -55,11 +55,9 @@ non-loopback bind needs ``admin_token`` (compared in constant time) unless
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
-from urllib.parse import parse_qs
 
 import requests
 import urllib3
@@ -70,7 +68,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from lightspan.core import web
 from lightspan.core.config import ConfigError, redact
 from lightspan.rollout import paths
-from lightspan.rollout.admission import Admission, PolicyVersion
+from lightspan.rollout.admission import Admission, PolicyVersion, admin
 from lightspan.rollout.canary import Canary, CanaryConfig
 from lightspan.rollout.gateway_config import GatewayConfig
 from lightspan.rollout.exchanges import Exchange, error_body, invalid
@@ -89,7 +87,6 @@ log = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("authorization", "accept", "x-request-id", "user-agent")
 _PROPAGATOR = TraceContextTextMapPropagator()
-_ADMIN_BODY_BYTES = 64 << 10
 
 
 def _error(protocol: Protocol | None, code: int, message: str, headers: dict | None = None,
@@ -189,43 +186,7 @@ class Gateway:
     def _admin(self, request: web.Request) -> web.Response:
         if not web.bearer(request.headers.get("authorization"), self.cfg.admin_token):
             raise web.HTTPError(401, "admin routes need 'Authorization: Bearer <admin_token>'")
-        action = {("GET", "/admin/status"): None, ("POST", "/admin/pause"): self._pause,
-                  ("POST", "/admin/resume"): self._resume}
-        if (request.method, request.path) not in action:
-            if request.path in ("/admin/status", "/admin/pause", "/admin/resume"):
-                raise web.HTTPError(405, f"method {request.method} not allowed on {request.path}")
-            raise web.HTTPError(404, "admin routes: GET /admin/status, POST /admin/pause, POST /admin/resume")
-        run = action[(request.method, request.path)]
-        return web.json_response(200, self.status()) if run is None else run(request)
-
-    def _pause(self, request: web.Request) -> web.Response:
-        request.body(_ADMIN_BODY_BYTES)   # read and ignored
-        value = (parse_qs(request.query).get("timeout_s") or [self.cfg.drain_timeout_s])[0]
-        try:
-            timeout = float(value)
-            if not (math.isfinite(timeout) and timeout >= 0):
-                raise ValueError(value)
-        except ValueError:
-            raise web.HTTPError(400, f"timeout_s={str(value)[:40]!r} is not a number of seconds >= 0") from None
-        drained = self.admission.pause(timeout)
-        return web.json_response(200 if drained else 504, {"drained": drained, **self.status()})
-
-    def _resume(self, request: web.Request) -> web.Response:
-        version = None
-        if request.content_length:
-            doc = request.json(_ADMIN_BODY_BYTES)
-            if doc is not None and not isinstance(doc, dict):
-                raise web.HTTPError(400, 'body must be JSON like {"model_version": 3}')
-            version = (doc or {}).get("model_version")
-            if version is not None and (isinstance(version, bool) or not isinstance(version, int)
-                                        or not 0 <= version < 1 << 63):
-                raise web.HTTPError(400, f"model_version must be a whole number >= 0, got {str(version)[:40]}")
-        else:
-            request.body(0)
-        if version is not None:
-            self.version.override = version
-        self.admission.resume()
-        return web.json_response(200, self.status())
+        return admin(request, self.admission, self.version, self.status, self.cfg.drain_timeout_s)
 
     def _reward(self, request: web.Request, ids: dict) -> web.Response:
         """``POST /rollouts/{id}/reward``: the rollout's reward, to the collector (rollout/rewards.py)."""
