@@ -166,8 +166,10 @@ class Call:
             else:
                 attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
             if self.adopted and cap.readable:   # the library's span: what it does not record itself
-                attrs.update(item for item in self.start().items() if item[0] not in _LIBRARY_RECORDS)
-                attrs.update(item for item in cap.genai_attributes().items() if item[0] not in _LIBRARY_RECORDS)
+                for part in (self.start(), cap.genai_attributes()):
+                    for key, value in part.items():
+                        if key not in _LIBRARY_RECORDS:
+                            attrs[key] = value
             elif self.owned and cap.readable:
                 attrs.update(cap.genai_attributes())
             if (self.owned or self.adopted) and cap.readable and self.content:
@@ -249,8 +251,7 @@ _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_r
 def _start_attributes(protocol: Protocol, model: str, body: dict, content: list, on: bool) -> dict:
     """A span of our own's start attributes, with the messages when ``on`` (:func:`content_on`, read
     as the call began); ``content`` gets True when they hold them."""
-    attrs = semconv.genai({semconv.GEN_AI_OPERATION_NAME: protocol.operation, semconv.GEN_AI_REQUEST_MODEL: model,
-                           semconv.GEN_AI_PROVIDER_NAME: protocol.provider})
+    attrs = dict(_start_names(protocol.operation, model, protocol.provider, semconv.env(semconv.SEMCONV_OPT_IN_ENV)))
     if on:
         content.append(True)
         try:
@@ -258,6 +259,14 @@ def _start_attributes(protocol: Protocol, model: str, body: dict, content: list,
         except Exception:
             log.debug("lightspan: could not read the request's messages", exc_info=True)
     return attrs
+
+
+@functools.lru_cache(maxsize=64)
+def _start_names(operation: str, model: str, provider: str, opt_in: str) -> dict:
+    """The GenAI start attributes of a call (``semconv.genai``'s names for ``OTEL_SEMCONV_STABILITY_OPT_IN=opt_in``;
+    cached: an agent calls a few models; the caller copies them)."""
+    return semconv.genai({semconv.GEN_AI_OPERATION_NAME: operation, semconv.GEN_AI_REQUEST_MODEL: model,
+                          semconv.GEN_AI_PROVIDER_NAME: provider}, {semconv.SEMCONV_OPT_IN_ENV: opt_in})
 
 
 def _open(call: Call, body: dict, instance=None, options=None) -> bool:
@@ -277,13 +286,21 @@ def _open(call: Call, body: dict, instance=None, options=None) -> bool:
     return bool(content)
 
 
+_protocol_of = functools.lru_cache(maxsize=256)(protocols.of)          # (a client calls a few paths)
+
+
+@functools.lru_cache(maxsize=256)
+def _converted_path(path: str, protocol: str) -> str:
+    return converted_path(path, protocols.PROTOCOLS[protocol])
+
+
 def prepare(client: Client, instance, args, kwargs):
     """(call or None, the ``post`` keyword arguments to call with)."""
     path = args[0] if args else kwargs.get("path", "")
     body = kwargs.get("body")
     if not isinstance(body, dict) or not isinstance(path, str):
         return None, kwargs
-    protocol = protocols.of(path, client.name)
+    protocol = _protocol_of(path, client.name)
     if protocol is None:
         return None, kwargs
     raw = semconv.env("LIGHTSPAN_CAPTURE_URLS")
@@ -302,7 +319,7 @@ def prepare(client: Client, instance, args, kwargs):
     if call.converted:
         # the converted body holds the caller's extra_body already (it was converted from ``asked``)
         kwargs["options"] = {k: v for k, v in options.items() if k != "extra_json"} if isinstance(options, dict) else options
-        chat_path = converted_path(path, protocol)
+        chat_path = _converted_path(path, protocol.name)
         if args:
             call.path = chat_path
         else:

@@ -87,6 +87,124 @@ class AnthropicCapture(OverChat):
         return attrs
 
 
+# --- the common request, in fewer steps -------------------------------------------------------------
+# Most agents send text turns and nothing else. Such a request converts in a few dict operations, and
+# its plain answer is read and recorded in one pass each, with what the general path gives for it
+# (tests/tracing/test_anthropic_fast.py holds the two equal; bench/README.md, session 13, times it).
+
+_COMMON = frozenset({"model", "max_tokens", "messages", "system", "stream", "stop_sequences", "temperature",
+                     "top_p", "top_k"})
+_SAMPLING = (("stop", "stop_sequences"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"))
+_STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def common_chat(body: dict) -> dict | None:
+    """:func:`~.anthropic_convert.to_chat` of a request of the common shape: a model, a positive
+    ``max_tokens``, turns of ``user`` and ``assistant`` whose ``content`` is a string, a system prompt
+    that is a string (or none), the sampling fields and ``stream``, no other field; None for any
+    other request (the general conversion takes it)."""
+    if not _COMMON.issuperset(body):
+        return None
+    model, max_tokens, turns = body.get("model"), body.get("max_tokens"), body.get("messages")
+    if (type(model) is not str or not model or type(max_tokens) is not int or max_tokens <= 0 or type(turns) is not list
+            or not turns):
+        return None
+    messages = []
+    system = body.get("system")
+    if system:
+        if type(system) is not str:
+            return None
+        messages.append({"role": "system", "content": system})   # (as it is: only blocks lose a billing header)
+    for turn in turns:
+        if type(turn) is not dict or len(turn) != 2:
+            return None
+        role, content = turn.get("role"), turn.get("content")
+        if (role != "user" and role != "assistant") or type(content) is not str:
+            return None
+        messages.append({"role": role, "content": content})
+    chat = {"model": model, "messages": messages, "max_tokens": max_tokens, "max_completion_tokens": max_tokens}
+    for ours, theirs in _SAMPLING:
+        value = body.get(theirs)
+        if value is not None:
+            chat[ours] = value
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = dict(_STREAM_OPTIONS)
+    return chat
+
+
+class SimpleCapture(AnthropicCapture):
+    """:class:`AnthropicCapture` of a request of the common shape (:func:`common_chat`): the same
+    interface and results, in fewer steps for the usual answer (one choice of text, no tool calls,
+    no reasoning); any other answer is read the general way. Its non-streamed answer's output
+    messages are made from the answer it read (:func:`output` gives it no ``ChatOutput``)."""
+
+    def __init__(self, body: dict, chat_body: dict):
+        self.body, self.chat_body = body, chat_body
+        self.chat = Capture(CHAT, caller_ids=False, caller_logprobs=False)
+        self.chat.temperature = temperature(body)
+        self.stream = MessageStream() if body.get("stream") else None
+        self.stop_reason: str | None = None
+        self.done = False
+        self.answer: dict | None = None   # the chat completion read by message()
+
+    def message(self, completion: dict) -> dict:
+        self.answer = completion
+        return super().message(completion)
+
+    def attributes(self, model_version: int | None = None) -> dict:
+        chat = self.chat
+        c = chat.choices.get(0) if len(chat.choices) == 1 else None
+        if (c is None or not chat.parsed or chat.prompt is None or not c.ids or len(c.ids) != len(c.logprobs)
+                or self.unsupported):
+            return super().attributes(model_version)
+        attrs = {semconv.PROMPT_TOKEN_IDS: chat.prompt, semconv.COMPLETION_TOKEN_IDS: (semconv.encode_ids(c.ids),),
+                 semconv.COMPLETION_LOGPROBS: (semconv.encode_floats(c.logprobs),), semconv.CAPTURE_STATUS: "ok"}
+        if model_version is not None:
+            attrs[semconv.MODEL_VERSION] = int(model_version)
+        if chat.temperature is not None:
+            attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = chat.temperature
+        return attrs
+
+    def genai_attributes(self) -> dict:
+        chat = self.chat
+        c = chat.choices.get(0) if len(chat.choices) == 1 else None
+        if c is None:
+            return super().genai_attributes()
+        attrs = {}
+        if chat.model:
+            attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(chat.model)
+        if chat.prompt is not None:
+            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = chat.prompt_tokens
+        if c.ids:
+            attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = len(c.ids)
+        reason = self.stop_reason or c.finish_reason
+        if reason:
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (reason,)
+        return attrs
+
+    def output_messages(self) -> list | None:
+        """The plain answer's assistant turn, as ``ChatOutput`` gives it for that answer."""
+        choices = self.answer.get("choices") if self.answer is not None else None
+        choice = choices[0] if type(choices) is list and len(choices) == 1 else None
+        part = choice.get("message") if type(choice) is dict else None
+        text = part.get("content") if type(part) is dict else None
+        if (not part or type(part) is not dict or choice.get("index") or part.get("reasoning") or part.get("tool_calls")
+                or not (text is None or type(text) is str)):
+            out = ChatOutput()
+            if self.answer is not None:
+                out.add(self.answer)
+            return out.messages(self.stop_reason)
+        return [{"role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
+                 "finish_reason": self.stop_reason or choice.get("finish_reason") or None}]
+
+
+def capture(body: dict) -> AnthropicCapture:
+    """The capture of ``body``: :class:`SimpleCapture` for the common shape, else the general one."""
+    chat = common_chat(body)
+    return AnthropicCapture(body) if chat is None else SimpleCapture(body, chat)
+
+
 # --- the call's messages (docs: lightspan.tracing.messages) -----------------------------------------
 
 def anthropic_input(body: dict) -> list:
@@ -138,13 +256,15 @@ def anthropic_stream_output(blocks: list, stop_reason: str | None) -> list:
 
 def output(cap: AnthropicCapture, stream: bool) -> ChatOutput | None:
     """A converted response's messages are read from the chat completion (a converted stream's from
-    its Anthropic blocks: :func:`outputs`)."""
-    return ChatOutput() if cap.converted and not stream else None
+    its Anthropic blocks, a simple capture's from the answer it read: :func:`outputs`)."""
+    return ChatOutput() if cap.converted and not stream and type(cap) is not SimpleCapture else None
 
 
 def outputs(cap: AnthropicCapture, out: ChatOutput | None) -> list | None:
     if out is not None:
         return out.messages(cap.stop_reason)
+    if type(cap) is SimpleCapture and cap.converted and cap.stream is None:
+        return cap.output_messages()
     if cap.converted and cap.stream is not None:
         return anthropic_stream_output(cap.stream.content(), cap.stop_reason)
     return None
@@ -191,5 +311,5 @@ def end(exchange) -> list[bytes]:
 
 PROTOCOL = Protocol(
     name="messages", client="anthropic", path="/messages", operation="chat", provider="anthropic",
-    capture=AnthropicCapture, request=request, inputs=anthropic_input, output=output, outputs=outputs,
+    capture=capture, request=request, inputs=anthropic_input, output=output, outputs=outputs,
     frames=frames, end=end, error=error, upstream_error=upstream_error, fields=COMMON_FIELDS)

@@ -1,0 +1,201 @@
+"""The common Anthropic request's fewer steps (``anthropic_messages.SimpleCapture``) store what the
+general path stores: the same input through both paths, the same chat request, caller's answer
+and span attributes; requests of any other shape take the general path.
+
+Random requests and answers (seeded), and the instrumentor end to end on a mocked transport."""
+
+from __future__ import annotations
+
+import random
+
+import httpx2
+import orjson
+import pytest
+
+from lightspan.tracing import semconv
+from lightspan.tracing.protocols import anthropic_messages as am
+from lightspan.tracing.protocols.anthropic_convert import to_chat
+from tests.tracing.otel import _instrumented
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+WORDS = ["hi", "", "x-anthropic-billing-header: 1", "é ü", "two words", "{\"a\": 1}"]
+
+
+def _common(rng: random.Random) -> dict:
+    """A random request of the common shape."""
+    body = {"model": rng.choice(["policy", "m/x"]), "max_tokens": rng.randint(1, 64),
+            "messages": [{"role": rng.choice(["user", "assistant"]), "content": rng.choice(WORDS)}
+                         for _ in range(rng.randint(1, 4))]}
+    for key, values in (("system", WORDS), ("temperature", [0.0, 0.7, 1, None]), ("top_p", [0.9, None]),
+                        ("top_k", [5, None]), ("stop_sequences", [["\n"], []]), ("stream", [True, False, None])):
+        if rng.random() < 0.5:
+            body[key] = rng.choice(values)
+    return body
+
+
+def _answer(rng: random.Random, prompt: int = 5) -> dict:
+    """A random chat completion: the usual text answer, or one with what the general path reads."""
+    n = rng.randint(1, 4)
+    message = {"role": "assistant", "content": rng.choice(["hello", "", None]), "reasoning": None, "tool_calls": []}
+    choice = {"index": 0, "message": message, "finish_reason": rng.choice(["length", "stop", "abort", None]),
+              "stop_reason": rng.choice([None, "\n"]), "token_ids": [rng.randrange(100) for _ in range(n)],
+              "logprobs": {"content": [{"token": "t", "logprob": -rng.random()} for _ in range(n)]}}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "model": "policy", "choices": [choice],
+              "prompt_token_ids": list(range(prompt)),
+              "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}}
+    kind = rng.randrange(8)
+    if kind == 0:
+        message["reasoning"] = "hm"
+    elif kind == 1:
+        message["tool_calls"] = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    elif kind == 2:
+        answer["choices"].append({**choice, "index": 1})
+    elif kind == 3:
+        choice["token_ids"] = None
+    elif kind == 4:
+        choice["logprobs"]["content"].pop()
+    elif kind == 5:
+        answer["prompt_token_ids"] = None
+    return answer
+
+
+def _read(cap, answer: dict) -> tuple:
+    """(the caller's message, lightspan attributes, GenAI attributes, output messages) of ``answer``."""
+    out = am.output(cap, False)
+    if out is not None:
+        out.add(answer)
+    message = cap.message(answer)
+    return message, cap.attributes(3), cap.genai_attributes(), am.outputs(cap, out)
+
+
+def test_the_common_request_converts_as_the_general_path_does():
+    rng = random.Random(13)
+    for _ in range(500):
+        body = _common(rng)
+        assert am.common_chat(body) == to_chat(body)
+        assert type(am.PROTOCOL.capture(body)) is am.SimpleCapture
+
+
+@pytest.fixture()
+def fixed_signatures(monkeypatch):
+    """A thinking block's signature is a fresh uuid each time: the same one for both paths."""
+    import uuid
+
+    from lightspan.tracing.protocols import anthropic_convert
+    monkeypatch.setattr(anthropic_convert.uuid, "uuid4", lambda: uuid.UUID(int=1))
+
+
+def test_both_paths_give_the_caller_and_the_span_the_same(fixed_signatures):
+    rng = random.Random(14)
+    for _ in range(500):
+        body = {**_common(rng), "stream": False}
+        answer = _answer(rng)
+        simple, general = am.PROTOCOL.capture(body), am.AnthropicCapture(body)
+        assert type(simple) is am.SimpleCapture
+        assert simple.request() == general.request()
+        # (each reads its own copy: the general path leaves the answer as it found it, and so must this one)
+        assert _read(simple, orjson.loads(orjson.dumps(answer))) == _read(general, orjson.loads(orjson.dumps(answer)))
+
+
+def test_both_paths_give_a_streams_events_and_attributes_alike(fixed_signatures):
+    rng = random.Random(15)
+    for _ in range(100):
+        body = {**_common(rng), "stream": True}
+        chunks = [{"id": "c", "model": "policy", "prompt_token_ids": [1, 2], "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": {"prompt_tokens": 2}}]
+        for i in range(rng.randint(1, 5)):
+            chunks.append({"id": "c", "model": "policy", "choices": [{"index": 0, "delta": {"content": f"t{i}"},
+                           "token_ids": [i], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": None}]})
+        chunks.append({"id": "c", "model": "policy", "choices": [], "usage": {"prompt_tokens": 2}})
+        seen = []
+        for cap in (am.PROTOCOL.capture(body), am.AnthropicCapture(body)):
+            events = [e for chunk in orjson.loads(orjson.dumps(chunks)) for e in cap.events(chunk)] + cap.end()
+            seen.append((events, cap.attributes(None), cap.genai_attributes(), am.outputs(cap, am.output(cap, True))))
+        assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": []},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": None},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u"}},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+     "system": [{"type": "text", "text": "s"}]},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+    {"model": "m", "max_tokens": 5, "messages": []},
+    {"model": "m", "max_tokens": True, "messages": [{"role": "user", "content": "hi"}]},
+    {"model": "", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {}},
+], ids=["blocks", "tools", "thinking", "metadata", "system_blocks", "turn_field", "system_turn", "no_turns",
+        "bool_max_tokens", "no_model", "vllm_field"])
+def test_any_other_request_takes_the_general_path(body):
+    assert am.common_chat(body) is None
+    assert type(am.PROTOCOL.capture(body)) is am.AnthropicCapture
+
+
+# --- end to end: the instrumentor, the anthropic client, a mocked vLLM ------------------------------
+
+def _client(answer: dict, stream_chunks=None):
+    import anthropic
+
+    def handler(request):
+        assert request.url.path == "/v1/chat/completions"
+        if stream_chunks is not None:
+            body = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in stream_chunks) + b"data: [DONE]\n\n"
+            return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx2.Response(200, json=answer)
+
+    return anthropic.Anthropic(base_url="http://127.0.0.1:9", api_key="x", max_retries=0,
+                               http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+
+
+def _spans_of(exporter) -> list:
+    spans = [s for s in exporter.get_finished_spans() if s.attributes.get(semconv.CAPTURE_STATUS) not in (None, "duplicate")]
+    # (less the anthropic SDK's one clock reading, its stream's time to the first chunk)
+    return [{k: v for k, v in s.attributes.items() if k != "gen_ai.response.time_to_first_chunk"}
+            for s in sorted(spans, key=lambda s: s.start_time)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+def test_the_stored_span_is_the_same_through_both_paths(monkeypatch, fixed_signatures, stream):
+    rng = random.Random(16)
+    cases = []
+    for _ in range(12):
+        kwargs = {"model": "policy", "max_tokens": 8, "system": rng.choice(["Be brief.", ""]),
+                  "messages": [{"role": "user", "content": rng.choice(WORDS)},
+                               {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}][
+                                   :rng.choice([1, 3])],
+                  "extra_body": {"temperature": rng.choice([0.0, 0.7])}}
+        cases.append((kwargs, _answer(rng)))
+    chunks = [{"id": "c", "model": "policy", "prompt_token_ids": [1, 2], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": {"prompt_tokens": 2}},
+        {"id": "c", "model": "policy", "choices": [{"index": 0, "delta": {"content": "yo"}, "token_ids": [7],
+                                                    "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "length"}]},
+        {"id": "c", "model": "policy", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}]
+    stored, taken = [], []
+    original = am.common_chat
+    for fast in (True, False):
+        monkeypatch.setattr(am, "common_chat", original if fast else (lambda body: None))
+        monkeypatch.setattr(am.SimpleCapture, "message", _noting(taken, am.SimpleCapture.message))
+        with _instrumented() as exporter:
+            for kwargs, answer in cases:
+                client = _client(answer, chunks if stream else None)
+                if stream:
+                    list(client.messages.create(**kwargs, stream=True))
+                else:
+                    client.messages.create(**kwargs)
+            stored.append(_spans_of(exporter))
+    assert len(stored[0]) == len(cases)
+    assert stored[0] == stored[1]
+    assert all(s[semconv.CAPTURE_STATUS] for s in stored[0])
+    if not stream:   # the fast path took every call when on, none when off
+        assert len(taken) == len(cases)
+
+
+def _noting(taken: list, method):
+    def message(self, completion):
+        taken.append(completion)
+        return method(self, completion)
+    return message
