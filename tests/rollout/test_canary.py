@@ -321,3 +321,71 @@ def test_lightspan_deploy_promotes_and_rolls_back_by_hand(tmp_path, capsys):
     assert cli.main(["deploy", "promote", "9", "--data-dir", d]) == 2               # never published
     assert cli.main(["deploy", "rollback", "--data-dir", d]) == 2                   # which version?
     assert store.connect(tmp_path).execute("SELECT count(*) FROM deployments WHERE actor = 'manual'").fetchone() == (2,)
+
+
+def test_a_trainer_restarted_mid_canary_changes_no_decision(tmp_path):
+    """The trainer republishes on every start (LoRA sync): the same version again neither restarts the
+    canary nor revives a rolled-back version; the next new version becomes the candidate."""
+    store.policy.write(tmp_path, 1, tmp_path / "v1")
+    canary = Canary(CanaryConfig(enabled=True, load_adapters=False), str(tmp_path),
+                    lambda: store.policy.read_all(tmp_path))
+    canary.refresh()
+    store.policy.write(tmp_path, 2, tmp_path / "v2")
+    canary.refresh()
+    since = canary.state[""].since_unix_nano
+    store.policy.write(tmp_path, 2, tmp_path / "v2")                   # the trainer restarted
+    canary.refresh()
+    assert (canary.state[""].candidate, canary.state[""].since_unix_nano) == (2, since)
+    by_hand(tmp_path, "rollback", 2)
+    store.policy.write(tmp_path, 2, tmp_path / "v2")                   # restarted again, from v2
+    restarted = Canary(CanaryConfig(enabled=True, load_adapters=False), str(tmp_path),
+                       lambda: store.policy.read_all(tmp_path))
+    restarted.refresh()
+    assert (restarted.state[""].serving, restarted.state[""].candidate) == (1, None)
+    assert restarted.route("policy", "any-rollout") == ("policy-v1", 1)
+    store.policy.write(tmp_path, 3, tmp_path / "v3")
+    restarted.refresh()
+    assert restarted.state[""].candidate == 3
+    actions = [r["action"] for r in sorted(dep.Reader(tmp_path).rows(), key=lambda r: r["time_unix_nano"])]
+    assert actions == ["serve", "canary", "rollback", "canary"]
+
+
+def test_the_arms_adapters_are_loaded_where_a_replica_lacks_them(tmp_path):
+    """Against a stand-in for vLLM's /v1/models and /v1/load_lora_adapter."""
+    loaded = {"policy-v1"}
+    posts = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, doc):
+            data = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer({"data": [{"id": name} for name in sorted(loaded)]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posts.append((self.path, body))
+            loaded.add(body["lora_name"])
+            self._answer({})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        dep.record(tmp_path, [dep.row("", 1, "serve", time_unix_nano=1, checkpoint="/ck/v1"),
+                              dep.row("", 2, "canary", time_unix_nano=2, share=0.1, checkpoint="/ck/v2")])
+        canary = Canary(CanaryConfig(enabled=True), str(tmp_path), lambda: {}, lambda: [url + "/v1"])
+        canary.refresh()
+        assert posts == [("/v1/load_lora_adapter", {"lora_name": "policy-v2", "lora_path": "/ck/v2"})]
+        canary.refresh()
+        assert len(posts) == 1                                           # listed now: not loaded again
+    finally:
+        server.shutdown()
