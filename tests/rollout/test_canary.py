@@ -389,3 +389,19 @@ def test_the_arms_adapters_are_loaded_where_a_replica_lacks_them(tmp_path):
         assert len(posts) == 1                                           # listed now: not loaded again
     finally:
         server.shutdown()
+
+
+def test_a_named_policys_calls_are_routed_by_its_own_canary(tmp_path):
+    published = {"writer": store.policy.Policy(5, "/ck/w5", 0, "writer"), "": store.policy.Policy(1, "/ck/v1", 0)}
+    dep.record(tmp_path, [dep.row("writer", 4, "serve", time_unix_nano=1, checkpoint="/ck/w4"),
+                          dep.row("writer", 5, "canary", time_unix_nano=2, share=0.5, checkpoint="/ck/w5"),
+                          dep.row("", 1, "serve", time_unix_nano=3)])
+    canary = Canary(CanaryConfig(enabled=True, load_adapters=False), str(tmp_path), lambda: published)
+    canary.refresh()
+    keys = [f"r{i}" for i in range(400)]
+    routed = {k: canary.route("writer", k) for k in keys}
+    assert {v for v in routed.values()} == {("writer-v5", 5), ("writer-v4", 4)}
+    assert all(routed[k] == (("writer-v5", 5) if in_canary(k, 5, 0.5) else ("writer-v4", 4)) for k in keys)
+    assert canary.route("policy", "r1") == ("policy-v1", 1)                # the unnamed policy: no canary
+    assert canary.route("writer-v4", "r1") == ("writer-v4", 4)              # pinned by the caller
+    assert canary.route("other-model", "r1") == ("other-model", None)      # not a policy: untouched
