@@ -21,10 +21,10 @@ one candidate, from the ``deployments`` table (lightspan.store.deployments), and
    decision (``lightspan deploy``) reaches a running gateway within ``refresh_s``.
 
 vLLM must serve both arms' versioned names: LoRA weight sync (``trainer.sync = "lora"``) loads each
-new version as ``<name>-v<N>`` and unloads the previous one, so with ``load_adapters`` the gateway
-loads the arms' adapters that a replica's ``/v1/models`` lacks, from the checkpoints the table
-records (their directories must stay: keep ``trainer.keep_checkpoints`` above the versions a canary
-spans). A checkpoint reloaded in place (``sync = "reload"``) serves one version per server: no canary.
+new version as ``<name>-v<N>`` and unloads the previous one unless it is an arm (trainer/deployed.py,
+which also keeps the arms' checkpoints from pruning), and with ``load_adapters`` the gateway loads
+the arms' adapters that a replica's ``/v1/models`` lacks (a restarted vLLM), from the checkpoints
+the table records. A checkpoint reloaded in place (``sync = "reload"``) serves one version per server: no canary.
 """
 
 from __future__ import annotations

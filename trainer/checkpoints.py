@@ -106,9 +106,11 @@ def load_model(path: Path):
     return model
 
 
-def prune(output_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
+def prune(output_dir: Path, keep: int, protect: set[Path] = frozenset()) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and those in ``protect`` (resolved paths)."""
     for _, old in checkpoints(output_dir)[:-keep]:
+        if old.resolve() in protect:
+            continue
         shutil.rmtree(old, ignore_errors=True)
         log.debug("deleted checkpoint %s", old)
 

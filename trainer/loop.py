@@ -57,6 +57,7 @@ import torch
 from lightspan import store
 from lightspan.core.config import ConfigError
 from lightspan.trainer import checkpoints as ckpt
+from lightspan.trainer import deployed
 from lightspan.trainer import distributed as dist
 from lightspan.trainer.batches import Batch, Cursor, next_batch
 from lightspan.trainer.config import TrainerConfig
@@ -92,7 +93,8 @@ class Trainer:
         def backend(url: str) -> WeightSync:
             # what vLLM serves before the first push, known once load_or_init has run
             return {"reload": lambda: ReloadSync(url, serving=lambda: self.served_at_start),
-                    "lora": lambda: LoraSync(url, config.served_model_name),
+                    "lora": lambda: LoraSync(url, config.served_model_name, keep=lambda: deployed.in_use(
+                        deployed.current(self.data_dir, self.policy))),
                     # the live tensors, not a checkpoint: the model exists after load_or_init
                     "nccl": lambda: NcclSync(url, lambda: self.accelerator.unwrap_model(self.model)),
                     }.get(config.sync, NoSync)()
@@ -119,6 +121,7 @@ class Trainer:
         self.model_source: Path | None = None     # where tokenizer files are copied from
         self.served_at_start: Path | None = None  # what vLLM serves before the first push
         self.param_names: list[str] = []          # the optimizer's parameters, in its order
+        self.restored: set[int] = set()           # rolled-back versions left for the serving one (deployed.py)
 
     # ---- for the driver ---------------------------------------------------------------------
     @property
@@ -299,7 +302,8 @@ class Trainer:
     def prune(self) -> None:
         """Delete all but the newest keep_checkpoints checkpoints. Called after a sync succeeded:
         until then the previous one is what vLLM falls back to if the reload fails."""
-        ckpt.prune(self.output_dir, self.config.keep_checkpoints)
+        ckpt.prune(self.output_dir, self.config.keep_checkpoints,
+                   protect=set(deployed.in_use(deployed.current(self.data_dir, self.policy)).values()))
 
     def verify_sequence(self) -> tuple[list[int], list[float]]:
         """A fixed short token sequence and the trainer's logprobs of its tokens 1 .. n-1."""
@@ -375,6 +379,7 @@ class Trainer:
 
     def train_once(self) -> dict | None:
         """One step if there is a batch: returns the train_steps row, or None."""
+        deployed.follow_rollback(self)         # a rolled-back version is not built upon
         batch = self._on_main(lambda: store.retry_vanished(self.next_batch))
         if batch is None:
             return None

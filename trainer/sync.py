@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -134,7 +134,8 @@ class LoraSync(OneServer):
        now points at version N. Requests already running finish on the weights they started with
        or, if they outlive the swap, continue on the new ones (no drain: vLLM has no pause per
        adapter);
-    3. unload ``<model_name>-v<N-1>``.
+    3. unload ``<model_name>-v<N-1>``, unless ``keep()`` names it (a canary's serving version or
+       candidate: trainer/deployed.py).
 
     Why in place under one name is exact here: vLLM 0.32 keys prefix-cache blocks by the
     adapter's (name, path) (``v1/core/kv_cache_utils._gen_lora_extra_hash_keys``), so blocks the
@@ -146,9 +147,10 @@ class LoraSync(OneServer):
     """
 
     def __init__(self, url: str, model_name: str, *, timeout_s: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, keep: Callable[[], Iterable[int]] = tuple):
         self.url, self.model_name = url.rstrip("/"), model_name
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.keep = keep                        # versions whose names stay loaded (canaries' arms)
         self.loaded: str | None = None          # the versioned name this process loaded last
         self.serving: Path | None = None
 
@@ -186,7 +188,8 @@ class LoraSync(OneServer):
         self._post("/v1/load_lora_adapter", {"lora_name": self.model_name, "lora_path": str(path),
                                              "load_inplace": True})
         load_seconds = time.monotonic() - t0
-        if self.loaded is not None and self.loaded != versioned:
+        if self.loaded is not None and self.loaded != versioned and not any(
+                self.loaded == self.versioned_name(v) for v in self.keep()):
             try:
                 self._post("/v1/unload_lora_adapter", {"lora_name": self.loaded})
             except SyncError as exc:     # the new version serves: an old name left over is no failure

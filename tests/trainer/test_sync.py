@@ -165,6 +165,18 @@ def test_lora_push_loads_a_versioned_name_points_the_stable_one_at_it_and_unload
     assert len(stub.calls) == 6
 
 
+def test_lora_push_keeps_a_canarys_serving_version_loaded(stub, tmp_path):
+    in_use = {1}                              # the serving version of a canary (trainer/deployed.py)
+    sync = LoraSync(stub.url, "policy", backoff_s=0, keep=lambda: in_use)
+    for v in (1, 2, 3):
+        sync.push(fake_adapter(tmp_path / f"v{v:06d}"), v)
+    unloads = [b for c, b in zip(stub.calls, stub.bodies) if c == "/v1/unload_lora_adapter"]
+    assert unloads == [{"lora_name": "policy-v2"}]     # v1 serves: kept; v2 was neither arm
+    in_use.clear()
+    sync.push(fake_adapter(tmp_path / "v000004"), 4)
+    assert stub.bodies[-1] == {"lora_name": "policy-v3"}
+
+
 def test_lora_push_errors_say_how_to_start_vllm(stub, tmp_path):
     stub.script["/v1/load_lora_adapter"] = [(404, {"detail": "Not Found"})]
     with pytest.raises(SyncError) as err:
