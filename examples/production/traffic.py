@@ -118,7 +118,7 @@ class Users:
         except requests.RequestException as e:
             doc = {"error": f"{type(e).__name__}: {e}"}
         right = doc.get("total") is not None and abs(doc["total"] - visit.order.total) < 1e-9
-        return {"kind": "request", "index": visit.index, "at_h": round(visit.at_h, 4), "question": visit.order.question,
+        return {"kind": "request", "index": visit.index, "at_h": visit.at_h, "question": visit.order.question,
                 "truth": visit.order.total, "total": doc.get("total"), "right": right,
                 "request_id": doc.get("request_id"), "error": doc.get("error")}
 
@@ -139,8 +139,7 @@ class Users:
             else:
                 self.drained += 1
             self.emit({"kind": "feedback", "index": index, "request_id": answer["request_id"], "value": value,
-                       "at_h": answer["at_h"], "due_h": round(due, 4),
-                       "posted_at_h": round(until_h if until_h != float("inf") else due, 4)})
+                       "at_h": answer["at_h"], "due_h": due, "posted_at_h": until_h if until_h != float("inf") else due})
 
     def run(self) -> list[dict]:
         visits = plan(self.cfg)
