@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# examples/production: the README's stages as one script (the measured runs use it).
+#
+#   bash examples/production/run.sh hosted sft        # (a) then (b)
+#   bash examples/production/run.sh rl                # (c) + (d), on the same data directory
+#
+# Every service it starts is stopped when it exits. Ports, directories and sizes are variables below
+# (set them in the environment to change them); the README explains each command.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HERE=examples/production
+PY=${PY:-.venv/bin/python}
+LS="$PY -m lightspan.cli"
+MODEL=${MODEL:-$HOME/.cache/lightspan/models/smollm2-135m-instruct}
+DATA=${DATA:-/tmp/production-run}                   # the lightspan data directory
+OUT=${OUT:-$HERE/results/seed${SEED:-0}}            # traffic records and summaries
+SEED=${SEED:-0}
+HOURS=${HOURS:-8}; RPH=${RPH:-40}; SHARE=${SHARE:-0.5}
+OTLP_PORT=${OTLP_PORT:-4318}; GRPC_PORT=${GRPC_PORT:-4317}; API_PORT=${API_PORT:-8321}
+VLLM_PORT=${VLLM_PORT:-8000}; GATEWAY_PORT=${GATEWAY_PORT:-8100}
+SERVICE_PORT=${SERVICE_PORT:-8200}; STANDIN_PORT=${STANDIN_PORT:-8300}
+API=http://127.0.0.1:$API_PORT
+mkdir -p "$DATA" "$OUT"
+PIDS=()
+trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait' EXIT
+
+wait_up() {  # URL: until it answers (a service starting)
+  for _ in $(seq 600); do curl -sf "$1" >/dev/null && return 0; sleep 1; done
+  echo "run.sh: $1 did not come up" >&2; return 1
+}
+
+collector() {
+  $LS collector --data-dir "$DATA" --grpc-port "$GRPC_PORT" --http-port "$OTLP_PORT" --api-port "$API_PORT" \
+    >"$OUT/collector.log" 2>&1 & PIDS+=($!)
+  wait_up "$API/healthz"
+}
+
+service() {  # BASE_URL MODEL: the order assistant, traced into the collector by configuration alone
+  OPENAI_BASE_URL=$1 OPENAI_API_KEY=x AGENT_MODEL=$2 \
+  OTEL_SERVICE_NAME=order-assistant OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:$OTLP_PORT \
+  OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf OTEL_RESOURCE_ATTRIBUTES=lightspan.task.id=order_total \
+  LIGHTSPAN_CAPTURE_URLS=none OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=langchain \
+    .venv/bin/opentelemetry-instrument "$PY" $HERE/service.py --port "$SERVICE_PORT" \
+    >>"$OUT/service.log" 2>&1 & SERVICE_PID=$!; PIDS+=($SERVICE_PID)
+  wait_up "http://127.0.0.1:$SERVICE_PORT/healthz"
+}
+
+traffic() {  # NAME K [more flags]: simulated users (seed SEED*10+K: new questions each stage); $OUT/NAME.jsonl
+  local name=$1 k=$2; shift 2
+  "$PY" $HERE/traffic.py --service-url "http://127.0.0.1:$SERVICE_PORT" --collector-url "$API" \
+    --seed $((SEED * 10 + k)) \
+    --hours "$HOURS" --requests-per-hour "$RPH" --feedback-share "$SHARE" --out "$OUT/$name.jsonl" "$@" \
+    | tee "$OUT/$name.hours.jsonl"
+}
+
+vllm() {  # SmolLM2 with LoRA serving: the base as policy-base, each trained version as policy(-vN)
+  $LS vllm --model "$MODEL" --port "$VLLM_PORT" --lora-rank 16 --seed "$SEED" >"$OUT/vllm.log" 2>&1 & PIDS+=($!)
+  wait_up "http://127.0.0.1:$VLLM_PORT/v1/models"
+}
+
+gateway() {  # [CONFIG]: token ids for every call, canaries with a config that enables them
+  $LS gateway ${1:+--config "$1"} --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GATEWAY_PORT" \
+    --data-dir "$DATA" --otlp-endpoint "http://127.0.0.1:$GRPC_PORT" --collector-api-url "$API" \
+    >>"$OUT/gateway.log" 2>&1 & GATEWAY_PID=$!; PIDS+=($GATEWAY_PID)
+  wait_up "http://127.0.0.1:$GATEWAY_PORT/health"
+}
+
+stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
+
+TRAIN=(--data-dir "$DATA" --model "$MODEL" --vllm-url "http://127.0.0.1:$VLLM_PORT"
+       --sync lora --lora-r 16 --seed "$SEED")
+# the hosted model's rewarded calls; a fifth of the requests (by a hash of the request) held out
+HOSTED="request_model = 'hosted-model' AND human_reward IS NOT NULL"
+SELECT="$HOSTED AND human_reward >= 1 AND hash(rollout_key) % 5 <> 0"
+VAL_SELECT="$HOSTED AND human_reward >= 1 AND hash(rollout_key) % 5 = 0"
+
+for stage in "$@"; do
+  case $stage in
+    hosted)   # (a) the service on the hosted model (stand-in); users and their feedback
+      collector
+      "$PY" $HERE/hosted_standin.py --port "$STANDIN_PORT" >"$OUT/standin.log" 2>&1 & PIDS+=($!)
+      wait_up "http://127.0.0.1:$STANDIN_PORT/v1/models"
+      service "http://127.0.0.1:$STANDIN_PORT/v1" hosted-model
+      traffic hosted 0
+      stop "$SERVICE_PID" ;;
+    sft)      # (b) SmolLM2 as it comes, then SFT on the rewarded hosted calls, then the same users again
+      [ -n "${GATEWAY_PID:-}" ] || { curl -sf "$API/healthz" >/dev/null || collector; vllm; gateway; }
+      service "http://127.0.0.1:$GATEWAY_PORT/v1" policy-base
+      traffic base 1
+      stop "$SERVICE_PID"
+      $LS train --algo sft --mode once "${TRAIN[@]}" --learning-rate 3e-4 --batch-size 16 --sft-epochs 3 \
+        --select "$SELECT" --val-select "$VAL_SELECT" 2>&1 | tee "$OUT/sft.log"
+      cp "$DATA"/checkpoints/v*/sft_summary.json "$OUT/" 2>/dev/null || true
+      service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
+      traffic sft 2
+      stop "$SERVICE_PID" ;;
+    *) echo "run.sh: unknown stage $stage (hosted, sft)" >&2; exit 2 ;;
+  esac
+done
