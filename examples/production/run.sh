@@ -2,7 +2,7 @@
 # examples/production: the README's stages as one script (the measured runs use it).
 #
 #   bash examples/production/run.sh hosted sft        # (a) then (b)
-#   bash examples/production/run.sh rl                # (c) + (d), on the same data directory
+#   bash examples/production/run.sh rl                # (c) + (d), on the same data directory (after sft)
 #
 # Every service it starts is stopped when it exits. Ports, directories and sizes are variables below
 # (set them in the environment to change them); the README explains each command.
@@ -16,6 +16,7 @@ DATA=${DATA:-/tmp/production-run}                   # the lightspan data directo
 OUT=${OUT:-$HERE/results/seed${SEED:-0}}            # traffic records and summaries
 SEED=${SEED:-0}
 HOURS=${HOURS:-8}; RPH=${RPH:-40}; SHARE=${SHARE:-0.5}
+RL_LR=${RL_LR:-3e-4}; BAD_LR=${BAD_LR:-3e-2}                # the bad version: 100x the learning rate
 OTLP_PORT=${OTLP_PORT:-4318}; GRPC_PORT=${GRPC_PORT:-4317}; API_PORT=${API_PORT:-8321}
 VLLM_PORT=${VLLM_PORT:-8000}; GATEWAY_PORT=${GATEWAY_PORT:-8100}
 SERVICE_PORT=${SERVICE_PORT:-8200}; STANDIN_PORT=${STANDIN_PORT:-8300}
@@ -94,6 +95,26 @@ for stage in "$@"; do
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
       traffic sft 2
       stop "$SERVICE_PID" ;;
-    *) echo "run.sh: unknown stage $stage (hosted, sft)" >&2; exit 2 ;;
+    rl)       # (c) scheduled RL on the live traffic and its late feedback; (d) each new version a canary
+      [ -z "${GATEWAY_PID:-}" ] || stop "$GATEWAY_PID"
+      curl -sf "$API/healthz" >/dev/null || collector
+      curl -sf "http://127.0.0.1:$VLLM_PORT/v1/models" >/dev/null || vllm
+      gateway $HERE/gateway.toml
+      service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
+      (while true; do $LS transitions build --data-dir "$DATA" --min-group-size 8 >>"$OUT/transitions.log" 2>&1
+                      sleep 30; done) & PIDS+=($!)
+      $LS train --mode every --every "${EVERY:-3m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
+        >"$OUT/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
+      traffic rl 3 --hours "${RL_HOURS:-12}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      stop "$TRAIN_PID"
+      # (d) the bad version: one step at 100x the learning rate on what is left; the canary must roll it back
+      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 >"$OUT/bad.log" 2>&1
+      traffic bad 4 --hours "${BAD_HOURS:-6}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      $LS deploy list --data-dir "$DATA" | tee "$OUT/deployments.txt"
+      $LS sql --data-dir "$DATA" --format json "SELECT time_unix_nano, action, version, actor, candidate_rollouts,
+        serving_rollouts, candidate_reward_mean, serving_reward_mean, p_value, reason FROM deployments
+        ORDER BY time_unix_nano" >"$OUT/deployments.json"
+      stop "$SERVICE_PID" ;;
+    *) echo "run.sh: unknown stage $stage (hosted, sft, rl)" >&2; exit 2 ;;
   esac
 done

@@ -103,7 +103,7 @@ class Users:
     """Plays the plan against the service and posts the feedback as the simulated clock passes it."""
 
     def __init__(self, cfg: TrafficConfig, emit=None):
-        self.cfg, self.http = cfg, requests.Session()
+        self.cfg, self.http = cfg, requests.Session()     # the feedback's (one thread); users ask on their own
         self.answers: dict[int, dict] = {}
         self.drained = 0                                 # feedback posted after the last hour (--drain)
         self.pending: list[tuple[float, int]] = []       # (feedback due, visit index), a heap
@@ -113,7 +113,7 @@ class Users:
 
     def ask(self, visit: Visit) -> dict:
         try:
-            r = self.http.post(f"{self.cfg.service_url}/ask", json={"question": visit.order.question}, timeout=300)
+            r = requests.post(f"{self.cfg.service_url}/ask", json={"question": visit.order.question}, timeout=300)
             doc = r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
         except requests.RequestException as e:
             doc = {"error": f"{type(e).__name__}: {e}"}
