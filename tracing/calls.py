@@ -42,10 +42,16 @@ def served_policy(model: str | None) -> tuple[str | None, int | None]:
     """(policy, version) that served a call to ``model``: with several policies served
     (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
     ``LIGHTSPAN_MODEL_VERSION``'s version."""
-    versions = _policy_versions(semconv.env(semconv.POLICY_VERSIONS_ENV))
+    return _served(model, semconv.env(semconv.POLICY_VERSIONS_ENV), semconv.env("LIGHTSPAN_MODEL_VERSION"))
+
+
+@functools.lru_cache(maxsize=64)
+def _served(model, versions_raw: str, version_raw: str) -> tuple[str | None, int | None]:
+    """:func:`served_policy` of the variables' values (cached: an agent calls a few models)."""
+    versions = _policy_versions(versions_raw)
     if model in versions:
         return model, versions[model]
-    return None, model_version()
+    return None, _model_version(version_raw)
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,8 +62,12 @@ def _policy_versions(raw: str) -> dict[str, int]:
 def content_on() -> bool:
     """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
     switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
-    return (semconv.env("TRACELOOP_TRACE_CONTENT").strip().lower() != "false"
-            and semconv.env("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT").strip().lower() != "false")
+    return _content_on(semconv.env("TRACELOOP_TRACE_CONTENT"), semconv.env("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+
+
+@functools.lru_cache(maxsize=16)
+def _content_on(traceloop: str, otel: str) -> bool:
+    return traceloop.strip().lower() != "false" and otel.strip().lower() != "false"
 
 
 # what the client library's own span of a call records itself (the anthropic SDK's)
@@ -166,10 +176,10 @@ class Call:
             else:
                 attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
             if self.adopted and cap.readable:   # the library's span: what it does not record itself
-                for part in (self.start(), cap.genai_attributes()):
-                    for key, value in part.items():
-                        if key not in _LIBRARY_RECORDS:
-                            attrs[key] = value
+                attrs.update(self.start(adopted=True))
+                for key, value in cap.genai_attributes().items():
+                    if key not in _LIBRARY_RECORDS:
+                        attrs[key] = value
             elif self.owned and cap.readable:
                 attrs.update(cap.genai_attributes())
             if (self.owned or self.adopted) and cap.readable and self.content:
@@ -248,10 +258,12 @@ def _adopts(call: "Call", instance, options) -> bool:
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_raw/streaming_response
 
 
-def _start_attributes(protocol: Protocol, model: str, body: dict, content: list, on: bool) -> dict:
+def _start_attributes(protocol: Protocol, model: str, body: dict, content: list, on: bool, adopted: bool = False) -> dict:
     """A span of our own's start attributes, with the messages when ``on`` (:func:`content_on`, read
-    as the call began); ``content`` gets True when they hold them."""
-    attrs = dict(_start_names(protocol.operation, model, protocol.provider, semconv.env(semconv.SEMCONV_OPT_IN_ENV)))
+    as the call began); ``content`` gets True when they hold them. ``adopted``: less what the
+    client library's span records itself."""
+    attrs = dict(_start_names(protocol.operation, model, protocol.provider, semconv.env(semconv.SEMCONV_OPT_IN_ENV),
+                              adopted))
     if on:
         content.append(True)
         try:
@@ -262,11 +274,13 @@ def _start_attributes(protocol: Protocol, model: str, body: dict, content: list,
 
 
 @functools.lru_cache(maxsize=64)
-def _start_names(operation: str, model: str, provider: str, opt_in: str) -> dict:
+def _start_names(operation: str, model: str, provider: str, opt_in: str, adopted: bool = False) -> dict:
     """The GenAI start attributes of a call (``semconv.genai``'s names for ``OTEL_SEMCONV_STABILITY_OPT_IN=opt_in``;
-    cached: an agent calls a few models; the caller copies them)."""
-    return semconv.genai({semconv.GEN_AI_OPERATION_NAME: operation, semconv.GEN_AI_REQUEST_MODEL: model,
-                          semconv.GEN_AI_PROVIDER_NAME: provider}, {semconv.SEMCONV_OPT_IN_ENV: opt_in})
+    ``adopted``: less what the client library's span records itself; cached: an agent calls a few
+    models; the caller copies them)."""
+    names = semconv.genai({semconv.GEN_AI_OPERATION_NAME: operation, semconv.GEN_AI_REQUEST_MODEL: model,
+                           semconv.GEN_AI_PROVIDER_NAME: provider}, {semconv.SEMCONV_OPT_IN_ENV: opt_in})
+    return {k: v for k, v in names.items() if k not in _LIBRARY_RECORDS} if adopted else names
 
 
 def _open(call: Call, body: dict, instance=None, options=None) -> bool:

@@ -9,6 +9,7 @@ call through it is not converted: :func:`hooked`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -36,11 +37,11 @@ def unwrap_all() -> None:
 
 def install_json_hooks(factory) -> None:
     """Hook ``Response.json`` of each HTTP library imported by now (each once)."""
-    hooked = {cls for cls, *_ in _JSON_HOOKS}
+    done = {cls for cls, *_ in _JSON_HOOKS}
     for module in ("httpx2", "httpx"):
         mod = sys.modules.get(module)
         cls = getattr(mod, "Response", None) if mod is not None else None
-        if cls is None or cls in hooked:
+        if cls is None or cls in done:
             continue
         original = cls.__dict__.get("json")
         if original is None:
@@ -48,6 +49,7 @@ def install_json_hooks(factory) -> None:
         hook = factory(original)
         cls.json = hook
         _JSON_HOOKS.append((cls, hook, original))
+    hooked.cache_clear()
 
 
 def remove_json_hooks() -> None:
@@ -55,8 +57,11 @@ def remove_json_hooks() -> None:
         cls, hook, original = _JSON_HOOKS.pop()
         if cls.__dict__.get("json") is hook:  # else another library wrapped it since: ours stays, inert
             cls.json = original
+    hooked.cache_clear()
 
 
+@functools.lru_cache(maxsize=16)
 def hooked(response_class: type) -> bool:
-    """Whether JSON decoding of ``response_class`` (an HTTP library's Response) is hooked."""
+    """Whether JSON decoding of ``response_class`` (an HTTP library's Response) is hooked (asked per
+    captured call; cached until the hooks change)."""
     return any(issubclass(response_class, cls) for cls, *_ in _JSON_HOOKS)

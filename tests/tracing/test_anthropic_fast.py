@@ -199,3 +199,54 @@ def _noting(taken: list, method):
         taken.append(completion)
         return method(self, completion)
     return message
+
+
+def test_the_hook_check_follows_the_hooks_installed():
+    """``hooks.hooked`` is cached per class: installing or removing the hooks is seen at once."""
+    from lightspan.tracing import hooks
+
+    class Response:
+        def json(self, **kwargs):
+            return {}
+
+    fake = type("httpx2", (), {"Response": Response})
+    import sys
+    saved = hooks._JSON_HOOKS[:]
+    hooks._JSON_HOOKS.clear()
+    hooks.hooked.cache_clear()
+    real = sys.modules.get("httpx2"), sys.modules.get("httpx")
+    try:
+        sys.modules["httpx2"], sys.modules["httpx"] = fake, None
+        assert not hooks.hooked(Response)
+        hooks.install_json_hooks(lambda original: original)
+        assert hooks.hooked(Response)
+        hooks.remove_json_hooks()
+        assert not hooks.hooked(Response)
+    finally:
+        for name, module in zip(("httpx2", "httpx"), real):
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        hooks._JSON_HOOKS[:] = saved
+        hooks.hooked.cache_clear()
+
+
+def test_a_plain_answer_is_read_in_one_pass(fixed_signatures):
+    """The plain answer's message and output messages are made as it is read (no ``ChatOutput``),
+    other answers the general way; both as the general path gives them."""
+    body = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    rng = random.Random(17)
+    plain = 0
+    for _ in range(200):
+        answer = _answer(rng)
+        cap = am.PROTOCOL.capture(body)
+        message = cap.message(orjson.loads(orjson.dumps(answer)))
+        plain += cap.out is not None
+        assert (cap.out is not None) == (am._plain(answer) is not None)
+        general = am.AnthropicCapture(body)
+        assert message == general.message(orjson.loads(orjson.dumps(answer)))
+        out = am.ChatOutput()
+        out.add(answer)
+        assert cap.output_messages() == out.messages(general.stop_reason)
+    assert 0 < plain < 200

@@ -244,6 +244,11 @@ def to_message(chat: dict) -> dict:
         fn = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
                         "input": _arguments(fn.get("arguments"))})
+    return message_of(chat, content, reason, sequence)
+
+
+def message_of(chat: dict, content: list, reason: str | None, sequence: str | None) -> dict:
+    """The Anthropic message of a chat completion whose ``content`` blocks and stop reason are made."""
     out = {"id": chat.get("id") or f"msg_{int(time.time() * 1000)}", "type": "message", "role": "assistant",
            "content": content or [{"type": "text", "text": ""}], "model": chat.get("model")}
     if reason is not None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from lightspan.tracing import semconv
 from lightspan.tracing.messages import _append, _arguments, _text_of
-from lightspan.tracing.protocols.anthropic_convert import MessageStream, Unsupported, to_chat, to_error, to_message
+from lightspan.tracing.protocols.anthropic_convert import (MessageStream, Unsupported, message_of, stop_reason, to_chat,
+                                                          to_error, to_message)
 from lightspan.tracing.protocols.base import COMMON_FIELDS, OverChat, Protocol, dumps, loads, temperature
 from lightspan.tracing.protocols.chat import CHAT, ChatOutput, Capture, with_capture
 
@@ -147,10 +148,23 @@ class SimpleCapture(AnthropicCapture):
         self.stop_reason: str | None = None
         self.done = False
         self.answer: dict | None = None   # the chat completion read by message()
+        self.out: list | None = None      # its output messages, made as it was read (a plain answer)
 
     def message(self, completion: dict) -> dict:
+        """:meth:`AnthropicCapture.message`; a plain answer (:func:`_plain`) is made the message and
+        its output messages in one pass."""
         self.answer = completion
-        return super().message(completion)
+        plain = _plain(completion)
+        if plain is None:
+            return super().message(completion)
+        choice, text = plain
+        self.chat.add_json(completion)
+        finish = choice.get("finish_reason")
+        reason, sequence = stop_reason(finish, choice.get("stop_reason"), False, False)
+        self.stop_reason, self.done = reason, True
+        self.out = [{"role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
+                     "finish_reason": reason or finish or None}]
+        return message_of(completion, [{"type": "text", "text": text}] if text else [], reason, sequence)
 
     def attributes(self, model_version: int | None = None) -> dict:
         chat = self.chat
@@ -184,19 +198,26 @@ class SimpleCapture(AnthropicCapture):
         return attrs
 
     def output_messages(self) -> list | None:
-        """The plain answer's assistant turn, as ``ChatOutput`` gives it for that answer."""
-        choices = self.answer.get("choices") if self.answer is not None else None
-        choice = choices[0] if type(choices) is list and len(choices) == 1 else None
-        part = choice.get("message") if type(choice) is dict else None
-        text = part.get("content") if type(part) is dict else None
-        if (not part or type(part) is not dict or choice.get("index") or part.get("reasoning") or part.get("tool_calls")
-                or not (text is None or type(text) is str)):
-            out = ChatOutput()
-            if self.answer is not None:
-                out.add(self.answer)
-            return out.messages(self.stop_reason)
-        return [{"role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
-                 "finish_reason": self.stop_reason or choice.get("finish_reason") or None}]
+        """The answer's assistant turn, as ``ChatOutput`` gives it for that answer (a plain one's:
+        made by :meth:`message`)."""
+        if self.out is not None:
+            return self.out
+        out = ChatOutput()
+        if self.answer is not None:
+            out.add(self.answer)
+        return out.messages(self.stop_reason)
+
+
+def _plain(answer: dict) -> tuple[dict, str | None] | None:
+    """(choice, text) of a plain chat completion (one choice, index 0, its message text or None,
+    no reasoning, no tool calls), else None."""
+    choices = answer.get("choices")
+    choice = choices[0] if type(choices) is list and len(choices) == 1 else None
+    part = choice.get("message") if type(choice) is dict else None
+    if not part or type(part) is not dict or choice.get("index") or part.get("reasoning") or part.get("tool_calls"):
+        return None
+    text = part.get("content")
+    return (choice, text) if text is None or type(text) is str else None
 
 
 def capture(body: dict) -> AnthropicCapture:
