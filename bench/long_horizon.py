@@ -10,8 +10,8 @@ each; ``merge_rate`` is the share of rollouts built into exactly one row.
 
     .venv/bin/python bench/long_horizon.py NAME=DATA_DIR [NAME=DATA_DIR ...] [--runs 3] [--json OUT]
 
-Not measured here: the trainer's tokens per second on these rows against the demo's (left for a
-session with a free trainer), and the 1M-span build time (bench/lightningrl_build_ab.py).
+The trainer's tokens per second on these rows: bench/trainer_throughput.py; the 1M-span build time:
+bench/lightningrl_build_ab.py.
 """
 
 from __future__ import annotations
