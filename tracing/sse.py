@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 class SSEParser:
     """Incremental: :meth:`feed` each chunk of bytes (it returns the events completed, built by
-    ``make_event(event, data, id, retry)``), :meth:`finish` at the end. After either, call
+    ``make_event(event, data, id, retry)``; with ``make_event`` None, their data alone), :meth:`finish` at the end. After either, call
     :meth:`check` once the events returned have been handed on: it raises what the bytes held."""
 
     def __init__(self, make_event: Callable):
@@ -96,7 +96,9 @@ class SSEParser:
                 data.append(line[6:] if line.startswith(" ", 5) else line[5:])
             elif not line:
                 if data or self._event or self._id or self._retry is not None:
-                    events.append(self._make(self._event, "\n".join(data), self._id, self._retry))
+                    make = self._make
+                    events.append("\n".join(data) if make is None else make(self._event, "\n".join(data), self._id,
+                                                                             self._retry))
                     self._event, self._retry = None, None
                     data = self._data = []
             elif line[0] != ":":

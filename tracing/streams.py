@@ -38,6 +38,8 @@ class CapturedDecoder:
         self.ended = False
         self.drops = bool(getattr(call.cap, "drops_empty_chunks", False))
 
+    passes = True   # whether each event goes through _pass (a converted stream's events all go out)
+
     def _make(self, name, data, id, retry):
         return self.event_type(self.call, self.read, name, data, id, retry)
 
@@ -74,15 +76,18 @@ class CapturedDecoder:
             if self.own:
                 parser = SSEParser(self._make)
                 for chunk in iterator:
-                    for sse in self._events(parser, chunk):
-                        if not self._pass(sse):
-                            yield sse
+                    if self.passes:
+                        for sse in self._events(parser, chunk):
+                            if not self._pass(sse):
+                                yield sse
+                    else:
+                        yield from self._events(parser, chunk)
                     parser.check()
                 parser.finish()
                 parser.check()
             else:
                 for sse in self.inner.iter_bytes(iterator):
-                    if not self._pass(sse):
+                    if not self.passes or not self._pass(sse):
                         yield sse
             self.end(True)
         finally:
@@ -94,14 +99,14 @@ class CapturedDecoder:
                 parser = SSEParser(self._make)
                 async for chunk in iterator:
                     for sse in self._events(parser, chunk):
-                        if not self._pass(sse):
+                        if not self.passes or not self._pass(sse):
                             yield sse
                     parser.check()
                 parser.finish()
                 parser.check()
             else:
                 async for sse in self.inner.aiter_bytes(iterator):
-                    if not self._pass(sse):
+                    if not self.passes or not self._pass(sse):
                         yield sse
             self.end(True)
         finally:
@@ -112,8 +117,8 @@ class ConvertedDecoder(CapturedDecoder):
     """The decoder of a converted call: vLLM's chat chunks in, the caller's protocol's events out
     (``event_type``: :func:`converted_event_type`'s)."""
 
-    def _make(self, name, data, id, retry):
-        return data   # of a chat chunk only the data is read: no event object is built for it
+    passes = False
+    _make = None   # of a chat chunk only the data is read: the parser builds no event for it
 
     def _events(self, parser: SSEParser, chunk: bytes):
         out = []
@@ -130,9 +135,6 @@ class ConvertedDecoder(CapturedDecoder):
                 out += starmap(make, cap.end())
                 self.end(True)
         return out
-
-    def _pass(self, sse) -> bool:
-        return False
 
 
 @functools.lru_cache(maxsize=4)

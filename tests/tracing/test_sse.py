@@ -67,6 +67,18 @@ def test_same_events_as_openai_for_any_stream_and_cuts(chunks):
     assert _ours(chunks) == _theirs(chunks)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_streams())
+def test_without_an_event_maker_the_events_data_alone(chunks):
+    """(A converted stream's parser: ``make_event`` None hands on each event's data.)"""
+    parser, out = SSEParser(None), []
+    for chunk in chunks:
+        out += parser.feed(chunk)
+    events, error = _ours(chunks)
+    data = [d for _event, d, _id, _retry in events]
+    assert (out[:len(data)] if error else out) == data   # (ours stops at the bytes that are not UTF-8)
+
+
 def test_vllm_stream_with_crlf_cut_between_chunks_and_a_lasting_id():
     body = (b'data: {"a": 1}\r\n\r\nid: 7\r\ndata: x\r\ndata:  y\r\n\r\n: keep-alive\r\n\r\n'
             b"event: done\rdata: [DONE]\r\r")
