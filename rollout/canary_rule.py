@@ -16,7 +16,8 @@ the latest ``window`` of each arm) are compared on their difference of means δ 
 Why Welch's t: what is compared is the mean reward (what GRPO raises), the arms' variances differ
 (a broken version's rewards are often all 0), and rollout rewards are bounded, so with the tens of
 rollouts ``min_rollouts`` asks for the mean's sampling distribution is close to normal; the test is
-closed-form and deterministic (a bootstrap would need a seed and thousands of resamples per check).
+closed-form and deterministic (a bootstrap would need a seed and thousands of resamples per check);
+the t tail is scipy's.
 Mann–Whitney tests stochastic order, not the mean, and its normal approximation breaks on the many
 ties of 0/1 rewards. Departures: (1) when both arms have zero variance the sign of δ + margin
 decides (t = ±∞); (2) the window is a sliding one per arm, so a long canary judges its recent
@@ -52,43 +53,11 @@ class Evidence:
                                               "serving_reward_mean", "t_statistic", "df", "p_value")}
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularised incomplete beta function (modified Lentz)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """I_x(a, b), the regularised incomplete beta function, for a, b > 0 and 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
 def t_sf(t: float, df: float) -> float:
-    """P(T >= t) for Student's t with ``df`` degrees of freedom."""
-    if math.isinf(t):
-        return 0.0 if t > 0 else 1.0
-    tail = 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1.0 - tail
+    """P(T >= t) for Student's t with ``df`` degrees of freedom (scipy's)."""
+    from scipy.stats import t as student_t      # lazily: the gateway imports this module at start
+
+    return float(student_t.sf(t, df))
 
 
 def _moments(xs: list[float]) -> tuple[float, float]:
