@@ -22,6 +22,7 @@ from .credit import POLICIES
 
 SECTION = "transitions"
 OUTPUTS = ("per_call", "per_rollout")
+GROUP_BY = ("task", "batch")
 CAUSES = ("failed", "timeout", "infra")
 """Why a rollout did not end ``ok``: the runner's outcome (``lightspan.rollout.outcome``; a runner span
 without it is ``failed`` iff its status is ERROR, as is a ``lightspan.rollout`` root span with status ERROR)."""
@@ -98,9 +99,15 @@ class TransitionsConfig:
         "to train (empty: every call). A call's agent is the nearest enclosing agent span (itself "
         "included: gen_ai.agent.name, an invoke_agent span, traceloop.span.kind=agent), else the "
         "resource's service.name; a call with neither is matched as ''.")
+    group_by: str = option(
+        "task", "What a group (whose rewards make each rollout's baseline) is: 'task', the rollouts of one "
+        "task_id in a build, as GRPO samples several answers to one prompt (a rollout without a task is a "
+        "group of its own); 'batch', every rollout of the build's split, a batch baseline for traffic "
+        "where no prompt repeats (live users: REINFORCE with the batch's mean, scaled by its std under "
+        "'grpo').", choices=GROUP_BY)
     min_group_size: int = option(
-        2, "Groups (rollouts of one task in one build) smaller than this are dropped and counted "
-        "(transitions/dropped_rollouts/small_group).")
+        2, "Groups (rollouts of one task in one build, or the build's rollouts under group_by 'batch') "
+        "smaller than this are dropped and counted (transitions/dropped_rollouts/small_group).")
     grace_s: float = option(
         30.0, "A rollout without the runner's end span (lightspan.runner) counts as complete "
         "once its last span ended more than this many seconds ago.")
@@ -196,6 +203,8 @@ class TransitionsConfig:
         if not (isinstance(self.epsilon, (int, float)) and math.isfinite(self.epsilon) and self.epsilon > 0):
             bad("epsilon", f"{self.epsilon!r} is not > 0",
                 "give a small positive std floor, e.g. 1e-6")
+        if self.group_by not in GROUP_BY:
+            bad("group_by", f"unknown grouping {self.group_by!r}", f"use one of: {', '.join(GROUP_BY)}")
         if self.output not in OUTPUTS:
             bad("output", f"unknown output mode {self.output!r}", f"use one of: {', '.join(OUTPUTS)}")
         for name in ("since", "until"):

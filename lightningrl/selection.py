@@ -166,6 +166,7 @@ def _select(con, config: TransitionsConfig, now: int, reader: Reader, found: Fou
     agents = [n for n in names if p.owns(n)]
     owned = [n for n in names if p.owned_by_any(n)] if p.policy is not None else []
     con.execute(FINAL_SQL, {"agents": agents, "policy": p.policy, "min_group_size": config.min_group_size,
+                             "group_by": config.group_by,
                              "drop_truncated": config.drop_truncated,
                              "vmin": config.min_model_version, "vmax": config.max_model_version})
     con.execute(READY_SQL, {"masked": [c for c, o in config.outcome_of.items() if o == "masked"]})

@@ -200,7 +200,8 @@ WITH calls AS (
     SELECT rollout_key, count(*) AS num_rewards FROM _lrl_rewards GROUP BY rollout_key
 ), staged AS (
     SELECT r.rollout_key, r.task_id, r.split, r.cause,
-           coalesce('t:' || r.task_id, 'r:' || r.rollout_key) AS group_key,
+           CASE WHEN $group_by = 'batch' THEN 'b:' || coalesce(r.split, '')
+                ELSE coalesce('t:' || r.task_id, 'r:' || r.rollout_key) END AS group_key,
            coalesce(r.reason,
                     CASE WHEN p.rollout_key IS NULL THEN 'no_token_ids'
                          WHEN p.matched = 0 THEN 'agent_mismatch'

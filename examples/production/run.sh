@@ -101,7 +101,7 @@ for stage in "$@"; do
       curl -sf "http://127.0.0.1:$VLLM_PORT/v1/models" >/dev/null || vllm
       gateway $HERE/gateway.toml
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
-      (while true; do $LS transitions build --data-dir "$DATA" --min-group-size 8 >>"$OUT/transitions.log" 2>&1
+      (while true; do $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 >>"$OUT/transitions.log" 2>&1
                       sleep 30; done) & PIDS+=($!)
       $LS train --mode every --every "${EVERY:-3m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
         >"$OUT/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)

@@ -23,7 +23,7 @@ from tests.lightningrl.helpers import EPS, NOW, T0, build, call, episode, reward
 @pytest.mark.parametrize("field, value", [
     ("gamma", 0.0), ("gamma", 1.5), ("credit", "shapley"), ("advantage", "ppo"),
     ("agent_match", "(unclosed"), ("min_group_size", 0), ("grace_s", -1.0), ("epsilon", 0.0),
-    ("split", ""),
+    ("split", ""), ("group_by", "prompt"),
 ])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ConfigError) as err:
@@ -75,6 +75,23 @@ def test_each_rollout_counts_once_in_its_group(tmp_path):
     table, _ = build(tmp_path, advantage="dr_grpo")
     adv = {(r["rollout_id"], r["call_index"]): r["advantage"] for r in table.to_pylist()}
     assert adv == {**{("a", i): pytest.approx(0.5) for i in range(5)}, ("b", 0): pytest.approx(-0.5)}
+
+
+def test_group_by_batch_makes_one_group_of_rollouts_with_different_tasks(tmp_path):
+    # live traffic: no task repeats, so by task every rollout is a group of one (dropped as small_group);
+    # by batch the build's rollouts are one group, each compared with their mean
+    write(tmp_path, episode("a", 1.0, task="q1") + episode("b", 0.0, task="q2") + episode("c", 0.5, task="q3")
+          + episode("v", 1.0, task="q4", split="val"))
+    table, m = build(tmp_path)
+    assert table.num_rows == 0 and m["transitions/dropped_rollouts/small_group"] == 3
+    fresh = tmp_path / "batch"
+    write(fresh, episode("a", 1.0, task="q1") + episode("b", 0.0, task="q2") + episode("c", 0.5, task="q3")
+          + episode("v", 1.0, task="q4", split="val"))
+    table, m = build(fresh, group_by="batch")
+    s = math.sqrt(1 / 6)   # population std of [1, 0, 0.5]; the val rollout is another split, not built
+    assert {r["rollout_id"]: r["advantage"] for r in table.to_pylist()} == pytest.approx(
+        {"a": 0.5 / (s + EPS), "b": -0.5 / (s + EPS), "c": 0.0})
+    assert m["transitions/groups"] == 1 and {r["task_id"] for r in table.to_pylist()} == {"q1", "q2", "q3"}
 
 
 def test_discounted_dr_grpo_by_hand(tmp_path):
