@@ -12,7 +12,9 @@ of the trainer.
    consumed; the cursor does not move back. Done once per rolled-back version in a process, and
    again after a restart that resumes from that version's checkpoint. Under FSDP (sharded
    parameters and optimizer state) the restore is refused with an error in the log: stop the
-   trainer and start it from the serving checkpoint instead.
+   trainer and start it from the serving checkpoint instead. When what serves is not a trainer
+   checkpoint (the initial model directory of a run with reload sync), a warning says so and
+   training goes on from the rolled-back version.
 """
 
 from __future__ import annotations
@@ -83,8 +85,14 @@ def follow_rollback(trainer) -> bool:
     version = trainer.version
     if version in trainer.restored:
         return False
-    checkpoint = rolled_back_to(current(trainer.data_dir, trainer.policy), version)
+    d = current(trainer.data_dir, trainer.policy)
+    checkpoint = rolled_back_to(d, version)
     if checkpoint is None:
+        if d is not None and version in d.rolled_back:
+            trainer.restored.add(version)
+            log.warning("version %d was rolled back, but what serves (%s) is not a trainer checkpoint to go on "
+                        "from: training goes on from version %d; restart the trainer from a checkpoint to change "
+                        "that", version, d.serving_checkpoint or "nothing", version)
         return False
     trainer.restored.add(version)
     if trainer.sharded:
