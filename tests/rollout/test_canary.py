@@ -26,6 +26,7 @@ from lightspan.rollout.canary_rule import PROMOTE, ROLLBACK, WAIT, decide, t_sf
 from lightspan.rollout.gateway import Gateway, GatewayConfig
 from lightspan.store import deployments as dep
 from lightspan.tracing import semconv
+from tests.rollout.chat_stub import ChatStub
 
 RULE = {"min_rollouts": 30, "confidence": 0.95, "margin": 0.1}
 
@@ -166,40 +167,9 @@ def test_check_decides_from_the_rewards_of_each_arm_since_the_canary_began(tmp_p
 
 # --- the gateway -----------------------------------------------------------------------------------
 
-class _Upstream:
-    """A stand-in for vLLM: answers every chat call, recording the model it was asked for."""
-
-    def __init__(self):
-        self.models: list[str] = []
-        models = self.models
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                models.append(body["model"])
-                data = json.dumps({"id": "c", "object": "chat.completion", "model": body["model"],
-                                   "prompt_token_ids": [1, 2],
-                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
-                                                "finish_reason": "stop", "token_ids": [7],
-                                                "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-
 @pytest.fixture
 def upstream():
-    up = _Upstream()
+    up = ChatStub()
     yield up
     up.server.shutdown()
 

@@ -4,10 +4,8 @@ targets expanded; and the gateway wired to it, against two stand-in upstreams.""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -17,6 +15,7 @@ from lightspan.core.config import ConfigError
 from lightspan.rollout.gateway import Gateway, GatewayConfig
 from lightspan.rollout.replicas import Upstreams, rendezvous, untraced_key
 from lightspan.store import replicas as rotation
+from tests.rollout.chat_stub import ChatStub
 
 REPLICAS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 KEYS = [f"rollout-{i}" for i in range(2000)]
@@ -58,39 +57,8 @@ def test_upstreams_skip_replicas_out_of_rotation_and_follow_the_file(tmp_path):
     assert upstreams.candidates() == REPLICAS                   # none in rotation: better all than none
 
 
-class _Echo:
-    """A stand-in for vLLM that counts the calls it answers."""
-
-    def __init__(self):
-        self.calls = []
-        calls = self.calls
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                calls.append(body)
-                data = json.dumps({"id": "c", "object": "chat.completion", "model": "policy",
-                                   "prompt_token_ids": [1, 2],
-                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
-                                                "finish_reason": "stop", "token_ids": [7],
-                                                "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-
 def test_the_gateway_keeps_each_rollout_on_one_replica_and_skips_those_out_of_rotation(tmp_path):
-    a, b, c = _Echo(), _Echo(), _Echo()
+    a, b, c = ChatStub(), ChatStub(), ChatStub()
     rotation.write(tmp_path, 1, {c.url: {"version": None, "in_rotation": False, "error": "sync failed"}})
     gw = Gateway(GatewayConfig(upstreams=(a.url, b.url, c.url), port=0, data_dir=str(tmp_path)), TracerProvider())
     url = gw.start()
@@ -121,7 +89,7 @@ def test_an_untraced_call_is_keyed_by_its_rollout_else_its_trace():
 
 
 def test_responses_and_messages_calls_stay_on_their_rollouts_replica_too(tmp_path):
-    a, b = _Echo(), _Echo()
+    a, b = ChatStub(), ChatStub()
     gw = Gateway(GatewayConfig(upstreams=(a.url, b.url), port=0, data_dir=str(tmp_path)), TracerProvider())
     url = gw.start()
     try:
@@ -203,7 +171,7 @@ def test_upstreams_skip_a_replica_marked_down_until_its_time_is_up(tmp_path):
 def test_a_dead_replica_s_rollouts_fail_over_to_a_live_one(tmp_path, dead):
     """A replica that refused connections kept its rollouts: 10 of 20 got 502. Now each of its calls
     goes to the live replica; when every replica is down, the call is 502 as before."""
-    live = _Echo()
+    live = ChatStub()
     down = _refusing_url() if dead == "refused" else _Hangup()
     down_url = down if isinstance(down, str) else down.url
     gw = Gateway(GatewayConfig(upstreams=(live.url, down_url), port=0, data_dir=str(tmp_path)), TracerProvider())
