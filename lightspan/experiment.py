@@ -48,6 +48,7 @@ import requests
 from lightspan import inference
 from lightspan.inference import LORA_RANKS
 from lightspan.core.config import ConfigError, option
+from lightspan.experiment_report import plot, report
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, load_tasks
 from lightspan.trainer.config import NORMALISATIONS, ZERO_ADVANTAGE
@@ -208,36 +209,6 @@ def _rewards(data: Path, split: str, task_ids: list[str], version: int, solved_a
             "rollouts": int(row[2])}
 
 
-def plot(results: dict, path: Path) -> Path:
-    """The learning curve: train reward per step, held-out reward at each checkpoint."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
-    train = results["train"]
-    # x is the step: step k's train batch was sampled before its update; the held-out point at k
-    # is after k steps (0: before training), labelled with the policy version it evaluated
-    ax.plot([t["step"] for t in train], [t["reward_mean"] for t in train], "o-", ms=3, color="tab:blue",
-            label=f"train reward (step k's rollouts, T={results['config']['temperature']:.1f})")
-    val = results["val"]
-    ax.plot([v["step"] for v in val], [v["reward_mean"] for v in val], "s--", ms=6, color="tab:red",
-            label=f"held-out reward after k steps (greedy, {val[0]['rollouts'] if val else 0} tasks)")
-    for v in val:
-        ax.annotate(f"{v['reward_mean']:.2f} (policy {v['policy_version']})", (v["step"], v["reward_mean"]),
-                    textcoords="offset points", xytext=(-30, 7), fontsize=8, color="tab:red")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("GRPO step k")
-    ax.set_ylabel("mean reward")
-    ax.set_title(f"{results['name']}: {results['model']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def run(cfg: ExperimentConfig) -> int:
     """``lightspan experiment``: the loop, then ``results.json``, ``curve.png`` and the report."""
     results = loop(cfg)
@@ -245,7 +216,7 @@ def run(cfg: ExperimentConfig) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     plot(results, out_dir / "curve.png")
-    _report(results, out_dir)
+    report(results, out_dir)
     return 0
 
 
@@ -253,7 +224,9 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
     """The run itself: services up, validation, ``steps`` GRPO steps, validation, services down.
     Returns the results (train and validation rows, stage and trainer figures, the config).
     ``section`` names the config section in a refusal of the data directory (a preset's own)."""
-    t_start, cpu = time.monotonic(), CpuClock()
+    procs: dict = {}                                   # the services, by name: their CPU is counted apart
+    t_start, cpu = time.monotonic(), CpuClock(procs)
+    val_parts: dict[str, float] = {}
     # SIGTERM unwinds like Ctrl-C, so the collector, vLLM and trainer it started are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     stages = Stages()
@@ -279,7 +252,8 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
                "config": asdict(cfg)}
 
     with ExitStack() as stack:
-        vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages), stages, data, model_dir, ports)
+        vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages, procs), stages, data, model_dir,
+                                      ports)
         rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url",
                         f"{vllm_url}/v1", "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
                         "--timeout-s", str(cfg.rollout_timeout_s)]
@@ -297,9 +271,11 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
 
         def validate(step: int) -> None:
             stages.time("train + sync (waiting)", queue.wait, 0)      # the newest policy, fully trained
-            since, cpu_before = time.time_ns(), cpu.seconds()
+            since, cpu_before, parts_before = time.time_ns(), cpu.seconds(), cpu.parts()
             outcome = stages.time("validation", rollouts, val_file, "val", 1)
             cpu.exclude(cpu.seconds() - cpu_before)                  # a budget buys training, not evaluation
+            for part, seconds in cpu.parts().items():
+                val_parts[part] = val_parts.get(part, 0.0) + seconds - parts_before.get(part, 0.0)
             version = outcome["policy_version"]
             row = {"step": step, **_rewards(data, "val", [t["id"] for t in val], version, cfg.solved_at, since),
                    "outcomes": outcome, "cpu_seconds": round(cpu.seconds(), 1),
@@ -337,9 +313,18 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
         if results["val"][-1]["step"] != len(results["train"]):   # unless val_every just validated it
             validate(len(results["train"]))
         results["trainer"] = trainer_stats(data)
+        results["cpu_seconds_by_part"] = cpu_by_part(cpu.parts(), val_parts)
     results["wall_seconds"] = round(time.monotonic() - t_start, 1)
     results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
     return results
+
+
+def cpu_by_part(total: dict[str, float], validation: dict[str, float]) -> dict:
+    """The run's CPU seconds per part (each service with its children; ``rest``: this process, the
+    rollouts with their agents, the transition builds), split into training (what the CPU budget
+    counts) and validation."""
+    return {"training": {k: round(v - validation.get(k, 0.0), 1) for k, v in total.items()},
+            "validation": {k: round(v, 1) for k, v in validation.items()}}
 
 
 def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_dir: Path, ports: dict):
@@ -389,18 +374,3 @@ def _spent(cfg: ExperimentConfig, wall_s: float, cpu_s: float) -> str:
     if cfg.cpu_budget_s and cpu_s > cfg.cpu_budget_s:
         return f"CPU budget of {cfg.cpu_budget_s:.0f} CPU-s spent"
     return ""
-
-
-def _report(results: dict, out_dir: Path) -> None:
-    before, after = results["val"][0], results["val"][-1]
-    out = sys.stdout
-    out.write(f"\n==== lightspan experiment: {results['name']} ====\n")
-    out.write(f"held-out validation ({before['rollouts']} tasks, greedy):\n")
-    out.write(f"  before (policy {before['policy_version']}): mean reward {before['reward_mean']:.3f}, "
-              f"solved {before['solved']:.1%}\n")
-    out.write(f"  after  (policy {after['policy_version']}): mean reward {after['reward_mean']:.3f}, "
-              f"solved {after['solved']:.1%}  ({after['reward_mean'] - before['reward_mean']:+.3f})\n")
-    out.write("train reward per step: " + " ".join(f"{t['reward_mean']:.2f}" for t in results["train"]) + "\n")
-    out.write(f"trainer: {results['trainer']['steps']} steps; wall time {results['wall_seconds']:.0f} s "
-              f"({', '.join(f'{k} {v:.0f}' for k, v in results['stage_seconds'].items())})\n")
-    out.write(f"results: {out_dir / 'results.json'}, {out_dir / 'curve.png'}\n")

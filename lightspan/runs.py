@@ -89,9 +89,10 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path
     raise TimeoutError(f"{url} did not come up in {timeout_s} s; see {log_path}")
 
 
-def spawner(stack: ExitStack, logs: Path, env: dict, stages: Stages):
+def spawner(stack: ExitStack, logs: Path, env: dict, stages: Stages, procs: dict | None = None):
     """``spawn(name, cmd, health=URL, timeout_s=…)``: start a process logging to ``logs/NAME.log``,
-    stopped when ``stack`` closes; with ``health``, wait (timed as a stage) until the URL answers."""
+    stopped when ``stack`` closes; with ``health``, wait (timed as a stage) until the URL answers.
+    Each process started is also put in ``procs`` under its name."""
     def spawn(name: str, cmd: list[str], health: str | None = None, timeout_s: float = 0,
               proc_env: dict | None = None) -> subprocess.Popen:
         log_path = logs / f"{name}.log"
@@ -99,6 +100,8 @@ def spawner(stack: ExitStack, logs: Path, env: dict, stages: Stages):
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=proc_env or env,
                                     start_new_session=True)
         stack.callback(inference.stop, proc)
+        if procs is not None:
+            procs[name] = proc
         if health:
             stages.time(f"start {name}", wait_http, health, proc, timeout_s, log_path)
         return proc
@@ -180,10 +183,12 @@ class TrainerQueue:
 
 class CpuClock:
     """CPU seconds (user + system) used by this process and all its descendants since it was made,
-    running or finished, less what was ``exclude``-d (validation: a CPU budget buys training)."""
+    running or finished, less what was ``exclude``-d (validation: a CPU budget buys training).
+    ``procs`` (name: process, filled as the run starts its services) splits the count by part."""
 
-    def __init__(self):
+    def __init__(self, procs: dict[str, subprocess.Popen] | None = None):
         self.excluded = 0.0
+        self.procs = {} if procs is None else procs
         self.start = tree_cpu_seconds()
 
     def seconds(self) -> float:
@@ -192,14 +197,20 @@ class CpuClock:
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
 
+    def parts(self) -> dict[str, float]:
+        """CPU seconds since the clock was made, nothing excluded, per live process in ``procs`` (with
+        its descendants) and ``rest``: this process and everything else it ran (the one-shot jobs:
+        rollouts and their agents, transition builds; a service that already exited)."""
+        children, times = _proc_table()
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {name: (times.get(p.pid, 0) + _descendant_ticks(children, times, p.pid)) / tick
+               for name, p in self.procs.items() if p.poll() is None}
+        out["rest"] = _own_tree_seconds(children, times) - self.start - sum(out.values())
+        return out
 
-def tree_cpu_seconds(root: int | None = None) -> float:
-    """CPU seconds of ``root`` (default: this process) and its descendants: its own and its reaped
-    children's (``getrusage``, for this process), plus each live descendant's own and reaped
-    children's from ``/proc`` (each process counted once: by itself while alive, by its parent once reaped)."""
-    import resource
 
-    root = os.getpid() if root is None else root
+def _proc_table() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Every process's children, and its CPU ticks (its own and its reaped children's), from ``/proc``."""
     parents, times = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -213,19 +224,37 @@ def tree_cpu_seconds(root: int | None = None) -> float:
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
+    return children, times
+
+
+def _descendant_ticks(children: dict[int, list[int]], times: dict[int, int], root: int) -> int:
     ticks, todo = 0, list(children.get(root, []))
     while todo:
         pid = todo.pop()
         ticks += times.get(pid, 0)
         todo += children.get(pid, [])
-    total = ticks / os.sysconf("SC_CLK_TCK")
-    if root == os.getpid():
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-            usage = resource.getrusage(who)
-            total += usage.ru_utime + usage.ru_stime
-    else:
-        total += times.get(root, 0) / os.sysconf("SC_CLK_TCK")
+    return ticks
+
+
+def _own_tree_seconds(children: dict[int, list[int]], times: dict[int, int]) -> float:
+    """This process's CPU seconds, its reaped children's (``getrusage``) and its live descendants'."""
+    import resource
+
+    total = _descendant_ticks(children, times, os.getpid()) / os.sysconf("SC_CLK_TCK")
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
     return total
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds of ``root`` (default: this process) and its descendants: its own and its reaped
+    children's (``getrusage``, for this process), plus each live descendant's own and reaped
+    children's from ``/proc`` (each process counted once: by itself while alive, by its parent once reaped)."""
+    children, times = _proc_table()
+    if root is None or root == os.getpid():
+        return _own_tree_seconds(children, times)
+    return (times.get(root, 0) + _descendant_ticks(children, times, root)) / os.sysconf("SC_CLK_TCK")
 
 
 def trainer_stats(data: Path) -> dict:

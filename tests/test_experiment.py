@@ -95,6 +95,12 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
     # validation waited for the trainer: the last one evaluated the newest policy
     assert results["val"][-1]["policy_version"] == results["trainer"]["steps"]
     assert results["val"][-1]["cpu_seconds"] > results["val"][0]["cpu_seconds"] > 0
+    # the CPU by part: the services it started (vLLM was the tests' own) and the rest; training's
+    # parts add up to what the budget counted
+    by_part = results["cpu_seconds_by_part"]
+    assert set(by_part["training"]) == {"collector", "trainer", "rest"} == set(by_part["validation"])
+    assert by_part["training"]["trainer"] > 0 and by_part["validation"]["rest"] > 0
+    assert abs(sum(by_part["training"].values()) - results["val"][-1]["cpu_seconds"]) < 5
     # every sync was checked against vLLM; with LoRA, vLLM (no --enable-lora) serves it merged
     diffs = store.connect(data).execute("SELECT sync_max_abs_logprob_diff FROM train_steps").fetchall()
     assert diffs and all(d is not None and d < 1e-3 for (d,) in diffs), diffs

@@ -99,7 +99,7 @@ def test_experiment_cycles_train_tasks_with_new_ids():
 
 def test_experiment_plot_is_a_small_png(tmp_path):
     pytest.importorskip("matplotlib", reason="pip install 'lightspan[examples]'")
-    from lightspan.experiment import plot
+    from lightspan.experiment_report import plot
 
     results = {"name": "x", "model": "m", "config": {"temperature": 0.7},
                "train": [{"step": s, "reward_mean": s / 10} for s in range(1, 9)],
