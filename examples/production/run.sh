@@ -3,6 +3,8 @@
 #
 #   bash examples/production/run.sh hosted sft        # (a) then (b)
 #   bash examples/production/run.sh rl                # (c) + (d), on the same data directory (after sft)
+#   python examples/production/measure.py --out OUT/cost.json -- bash examples/production/run.sh hosted sft rl
+#                                                     # the whole run, with its wall and CPU time
 #
 # Every service it starts is stopped when it exits. Ports, directories and sizes are variables below
 # (set them in the environment to change them); the README explains each command.
@@ -13,15 +15,19 @@ PY=${PY:-.venv/bin/python}
 LS="$PY -m lightspan.cli"
 MODEL=${MODEL:-$HOME/.cache/lightspan/models/smollm2-135m-instruct}
 DATA=${DATA:-/tmp/production-run}                   # the lightspan data directory
-OUT=${OUT:-$HERE/results/seed${SEED:-0}}            # traffic records and summaries
+OUT=${OUT:-$HERE/results/seed${SEED:-0}}            # small summaries: per-hour rewards, decisions, timings
+LOGS=${LOGS:-$DATA/logs}                            # the services' logs and every request and feedback
 SEED=${SEED:-0}
 HOURS=${HOURS:-8}; RPH=${RPH:-40}; SHARE=${SHARE:-0.5}
+EVAL_HOURS=${EVAL_HOURS:-4}                         # simulated hours of the base and SFT policies' traffic
+# SFT: one pass over the rewarded hosted calls, 8 calls a step (README, "Measured": why these)
+SFT_EPOCHS=${SFT_EPOCHS:-1}; SFT_BATCH=${SFT_BATCH:-8}; SFT_LR=${SFT_LR:-1e-3}
 RL_LR=${RL_LR:-3e-4}; BAD_LR=${BAD_LR:-3e-2}                # the bad version: 100x the learning rate
 OTLP_PORT=${OTLP_PORT:-4318}; GRPC_PORT=${GRPC_PORT:-4317}; API_PORT=${API_PORT:-8321}
 VLLM_PORT=${VLLM_PORT:-8000}; GATEWAY_PORT=${GATEWAY_PORT:-8100}
 SERVICE_PORT=${SERVICE_PORT:-8200}; STANDIN_PORT=${STANDIN_PORT:-8300}
 API=http://127.0.0.1:$API_PORT
-mkdir -p "$DATA" "$OUT"
+mkdir -p "$DATA" "$OUT" "$LOGS"
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait' EXIT
 
@@ -32,7 +38,7 @@ wait_up() {  # URL: until it answers (a service starting)
 
 collector() {
   $LS collector --data-dir "$DATA" --grpc-port "$GRPC_PORT" --http-port "$OTLP_PORT" --api-port "$API_PORT" \
-    >"$OUT/collector.log" 2>&1 & PIDS+=($!)
+    >"$LOGS/collector.log" 2>&1 & PIDS+=($!)
   wait_up "$API/healthz"
 }
 
@@ -42,31 +48,60 @@ service() {  # BASE_URL MODEL: the order assistant, traced into the collector by
   OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf OTEL_RESOURCE_ATTRIBUTES=lightspan.task.id=order_total \
   LIGHTSPAN_CAPTURE_URLS=none OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=langchain \
     .venv/bin/opentelemetry-instrument "$PY" $HERE/service.py --port "$SERVICE_PORT" \
-    >>"$OUT/service.log" 2>&1 & SERVICE_PID=$!; PIDS+=($SERVICE_PID)
+    >>"$LOGS/service.log" 2>&1 & SERVICE_PID=$!; PIDS+=($SERVICE_PID)
   wait_up "http://127.0.0.1:$SERVICE_PORT/healthz"
 }
 
-traffic() {  # NAME K [more flags]: simulated users (seed SEED*10+K: new questions each stage); $OUT/NAME.jsonl
+traffic() {  # NAME K [more flags]: simulated users (seed SEED*10+K: new questions each stage); $LOGS/NAME.jsonl
   local name=$1 k=$2; shift 2
   "$PY" $HERE/traffic.py --service-url "http://127.0.0.1:$SERVICE_PORT" --collector-url "$API" \
     --seed $((SEED * 10 + k)) \
-    --hours "$HOURS" --requests-per-hour "$RPH" --feedback-share "$SHARE" --out "$OUT/$name.jsonl" "$@" \
+    --hours "$HOURS" --requests-per-hour "$RPH" --feedback-share "$SHARE" --out "$LOGS/$name.jsonl" "$@" \
     | tee "$OUT/$name.hours.jsonl"
 }
 
 vllm() {  # SmolLM2 with LoRA serving: the base as policy-base, each trained version as policy(-vN)
-  $LS vllm --model "$MODEL" --port "$VLLM_PORT" --lora-rank 16 --seed "$SEED" >"$OUT/vllm.log" 2>&1 & PIDS+=($!)
+  $LS vllm --model "$MODEL" --port "$VLLM_PORT" --lora-rank 16 --seed "$SEED" >"$LOGS/vllm.log" 2>&1 & PIDS+=($!)
   wait_up "http://127.0.0.1:$VLLM_PORT/v1/models"
 }
 
 gateway() {  # [CONFIG]: token ids for every call, canaries with a config that enables them
   $LS gateway ${1:+--config "$1"} --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GATEWAY_PORT" \
     --data-dir "$DATA" --otlp-endpoint "http://127.0.0.1:$GRPC_PORT" --collector-api-url "$API" \
-    >>"$OUT/gateway.log" 2>&1 & GATEWAY_PID=$!; PIDS+=($GATEWAY_PID)
+    >>"$LOGS/gateway.log" 2>&1 & GATEWAY_PID=$!; PIDS+=($GATEWAY_PID)
   wait_up "http://127.0.0.1:$GATEWAY_PORT/health"
 }
 
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
+
+build() { $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 >>"$LOGS/transitions.log" 2>&1; }
+
+builds() {  # transitions as the feedback arrives: a build every 30 s until $DATA/.builds-stop exists
+  rm -f "$DATA/.builds-stop"
+  while [ ! -e "$DATA/.builds-stop" ]; do
+    build || echo "run.sh: a transitions build failed ($LOGS/transitions.log)" >&2
+    for _ in $(seq 30); do [ -e "$DATA/.builds-stop" ] && break; sleep 1; done
+  done
+}
+
+mark() {  # EVENT [JSON fields]: $OUT/timings.jsonl, the wall-clock time of each step of the run
+  echo "{\"event\": \"$1\", \"t\": $(date +%s.%N | cut -c1-14)${2:+, $2}}" >>"$OUT/timings.jsonl"
+}
+
+version() {  # the policy version training published last (policy.json), -1 before any
+  "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["version"])' "$DATA/policy.json" 2>/dev/null || echo -1
+}
+
+decided() {  # VERSION: wait (at most 5 minutes) until the canary promoted or rolled back VERSION
+  for _ in $(seq 60); do
+    curl -sf -X POST "$API/v1/flush" >/dev/null || true
+    n=$($LS sql --data-dir "$DATA" --format csv "SELECT count(*) FROM deployments WHERE version = $1
+          AND action IN ('promote', 'rollback')" 2>/dev/null | tail -1)
+    [ "${n:-0}" -gt 0 ] && return 0
+    sleep 5
+  done
+  echo "run.sh: no canary decision on version $1 within 5 minutes of its traffic's end" >&2
+}
 
 TRAIN=(--data-dir "$DATA" --model "$MODEL" --vllm-url "http://127.0.0.1:$VLLM_PORT"
        --sync lora --lora-r 16 --seed "$SEED")
@@ -79,37 +114,47 @@ for stage in "$@"; do
   case $stage in
     hosted)   # (a) the service on the hosted model (stand-in); users and their feedback
       collector
-      "$PY" $HERE/hosted_standin.py --port "$STANDIN_PORT" >"$OUT/standin.log" 2>&1 & PIDS+=($!)
+      "$PY" $HERE/hosted_standin.py --port "$STANDIN_PORT" >"$LOGS/standin.log" 2>&1 & PIDS+=($!)
       wait_up "http://127.0.0.1:$STANDIN_PORT/v1/models"
       service "http://127.0.0.1:$STANDIN_PORT/v1" hosted-model
-      traffic hosted 0
-      stop "$SERVICE_PID" ;;
+      mark hosted_traffic; traffic hosted 0
+      stop "$SERVICE_PID"; mark hosted_done ;;
     sft)      # (b) SmolLM2 as it comes, then SFT on the rewarded hosted calls, then the same users again
+      mark sft_start
       [ -n "${GATEWAY_PID:-}" ] || { curl -sf "$API/healthz" >/dev/null || collector; vllm; gateway; }
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy-base
-      traffic base 1
-      stop "$SERVICE_PID"
-      $LS train --algo sft --mode once "${TRAIN[@]}" --learning-rate 3e-4 --batch-size 16 --sft-epochs 3 \
-        --select "$SELECT" --val-select "$VAL_SELECT" 2>&1 | tee "$OUT/sft.log"
+      mark base_traffic; traffic base 1 --hours "$EVAL_HOURS"
+      stop "$SERVICE_PID"; mark sft_train
+      $LS train --algo sft --mode once "${TRAIN[@]}" --learning-rate "$SFT_LR" --batch-size "$SFT_BATCH" \
+        --sft-epochs "$SFT_EPOCHS" --select "$SELECT" --val-select "$VAL_SELECT" 2>&1 | tee "$LOGS/sft.log"
       cp "$DATA"/checkpoints/v*/sft_summary.json "$OUT/" 2>/dev/null || true
+      mark sft_traffic "\"version\": $(version)"
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
-      traffic sft 2
-      stop "$SERVICE_PID" ;;
+      traffic sft 2 --hours "$EVAL_HOURS"
+      stop "$SERVICE_PID"; mark sft_done ;;
     rl)       # (c) scheduled RL on the live traffic and its late feedback; (d) each new version a canary
+      mark rl_start
       [ -z "${GATEWAY_PID:-}" ] || stop "$GATEWAY_PID"
       curl -sf "$API/healthz" >/dev/null || collector
       curl -sf "http://127.0.0.1:$VLLM_PORT/v1/models" >/dev/null || vllm
       gateway $HERE/gateway.toml
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
-      (while true; do $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 >>"$OUT/transitions.log" 2>&1
-                      sleep 30; done) & PIDS+=($!)
+      builds & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
       $LS train --mode every --every "${EVERY:-3m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
-        >"$OUT/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
-      traffic rl 3 --hours "${RL_HOURS:-12}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
-      stop "$TRAIN_PID"
-      # (d) the bad version: one step at 100x the learning rate on what is left; the canary must roll it back
-      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 >"$OUT/bad.log" 2>&1
+        >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
+      mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      stop "$TRAIN_PID"; mark bad_train
+      # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
+      # after the scheduled trainer's last step, built now); the canary must roll it back
+      touch "$DATA/.builds-stop"; wait "$BUILDS_PID" || true       # one build at a time
+      before=$(version)
+      build
+      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 >"$LOGS/bad.log" 2>&1
+      bad=$(version)
+      [ "$bad" -gt "$before" ] || { echo "run.sh: the bad version was not trained ($LOGS/bad.log says why)" >&2; exit 1; }
+      mark bad_traffic "\"version\": $bad"
       traffic bad 4 --hours "${BAD_HOURS:-6}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      decided "$bad"; mark bad_done "\"version\": $bad"
       $LS deploy list --data-dir "$DATA" | tee "$OUT/deployments.txt"
       $LS sql --data-dir "$DATA" --format json "SELECT time_unix_nano, action, version, actor, candidate_rollouts,
         serving_rollouts, candidate_reward_mean, serving_reward_mean, p_value, reason FROM deployments
@@ -118,3 +163,4 @@ for stage in "$@"; do
     *) echo "run.sh: unknown stage $stage (hosted, sft, rl)" >&2; exit 2 ;;
   esac
 done
+"$PY" $HERE/summarize.py --out "$OUT" --records "$LOGS" --data-dir "$DATA" || echo "run.sh: no summary ($OUT)" >&2

@@ -19,6 +19,8 @@ drawn from ``seed`` alone (:func:`plan`), so a seed replays the same users again
 Printed per simulated hour (one JSON line each, and every request and feedback in ``--out``):
 ``reward``, the share of the hour's requests answered right (from the kept totals, every request, not
 only those with feedback: a failed request counts 0), ``feedback`` posted in that hour and ``errors``.
+Each record has ``t``, the wall-clock time (Unix seconds) it happened at, to line the simulated clock
+up with what the store records (a canary's decision, a trained version).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class Users:
         right = doc.get("total") is not None and abs(doc["total"] - visit.order.total) < 1e-9
         return {"kind": "request", "index": visit.index, "at_h": visit.at_h, "question": visit.order.question,
                 "truth": visit.order.total, "total": doc.get("total"), "right": right,
-                "request_id": doc.get("request_id"), "error": doc.get("error")}
+                "request_id": doc.get("request_id"), "error": doc.get("error"), "t": round(time.time(), 3)}
 
     def post_feedback(self, until_h: float) -> None:
         """Post every feedback due before ``until_h`` (the clock's new time)."""
@@ -139,7 +141,8 @@ class Users:
             else:
                 self.drained += 1
             self.emit({"kind": "feedback", "index": index, "request_id": answer["request_id"], "value": value,
-                       "at_h": answer["at_h"], "due_h": due, "posted_at_h": until_h if until_h != float("inf") else due})
+                       "at_h": answer["at_h"], "due_h": due, "posted_at_h": until_h if until_h != float("inf") else due,
+                       "t": round(time.time(), 3)})
 
     def run(self) -> list[dict]:
         visits = plan(self.cfg)
@@ -160,7 +163,7 @@ class Users:
                             heapq.heappush(self.pending, (visit.feedback_at_h, visit.index))
                 self.post_feedback(h + 1)
                 hour["reward"] = round(hour["right"] / hour["requests"], 4)
-                self.emit({"kind": "hour", **hour})
+                self.emit({"kind": "hour", **hour, "t": round(time.time(), 3)})
                 time.sleep(max(0.0, self.cfg.seconds_per_hour - (time.monotonic() - started)))
         if self.cfg.drain:
             self.post_feedback(float("inf"))
