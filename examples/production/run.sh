@@ -139,10 +139,14 @@ for stage in "$@"; do
       curl -sf "http://127.0.0.1:$VLLM_PORT/v1/models" >/dev/null || vllm
       gateway $HERE/gateway.toml
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
+      build                  # the SFT policy's rewarded requests: the first step's data
       builds & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
-      $LS train --mode every --every "${EVERY:-3m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
+      # a version every EVERY: 5 simulated hours at 60 s an hour, longer than a canary's decision takes
+      # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late:
+      # about 4 hours), so that a candidate is decided before the next one supersedes it
+      $LS train --mode every --every "${EVERY:-5m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
         >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
-      mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-10}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       stop "$TRAIN_PID"; mark bad_train
       # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
       # after the scheduled trainer's last step, built now); the canary must roll it back
