@@ -74,7 +74,10 @@ gateway() {  # [CONFIG]: token ids for every call, canaries with a config that e
 
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
 
-build() { $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 >>"$LOGS/transitions.log" 2>&1; }
+build() {  # RL's transitions: the rewarded requests of the trained versions (not SmolLM2 as it came, version 0)
+  $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 --min-model-version 1 \
+    >>"$LOGS/transitions.log" 2>&1
+}
 
 builds() {  # transitions as the feedback arrives: a build every 30 s until $DATA/.builds-stop exists
   rm -f "$DATA/.builds-stop"
