@@ -26,8 +26,10 @@ import pyarrow.compute as pc
 import torch
 
 from lightspan import store
+from lightspan.trainer import prefix
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loss import BatchTotals, sequence_totals
+from lightspan.trainer.prefix import common_prefix
 
 SIZE_COLUMN = "_sequence_size"
 """The column :func:`step_totals` adds to a batch: each row's sequence size (trainer/loss.py, deviation 9)."""
@@ -71,6 +73,7 @@ class MicroBatch:
     temperatures: torch.Tensor        # (B,): the sampling temperature vLLM's logprobs were taken at
     sizes: torch.Tensor               # (B,): trained tokens of each row's sequence (the row, or its rollout)
     row_weights: torch.Tensor         # (B,): each row's loss weight (0: a masked rollout's row)
+    prefix_len: int = 0               # prompt tokens every row starts with, run once (trainer/prefix.py)
 
 
 Rows = pa.Table | Sequence[dict]
@@ -127,13 +130,15 @@ def row_weights(rows: Rows) -> np.ndarray:
     return weights
 
 
-def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu", shared_prefix: int = 0) -> MicroBatch:
     """Left-pad the prompts and right-pad the completions, so completions end the sequence.
 
     A row's ``completion_mask`` (per-rollout transitions) is 0 on completion tokens the model did
     not sample (tool output, user turns): they stay in the attention, out of the loss. Without
     one (null) every completion token is trained. A row of loss weight 0 (:func:`row_weights`)
     trains none. Each row's sequence size is the batch's (:data:`SIZE_COLUMN`), else its own tokens.
+    With ``shared_prefix``, a prompt prefix of at least that many tokens that every row starts with
+    is the micro-batch's ``prefix_len``.
     """
     table = as_table(rows)
     prompt, prompt_len, _ = _lists(table, "prompt_token_ids")
@@ -158,8 +163,10 @@ def collate(rows: Rows, pad_id: int, device: torch.device | str = "cpu") -> Micr
     completion_mask[weights == 0] = 0
     sizes = _floats(table, SIZE_COLUMN, np.nan)
     sizes = np.where(np.isnan(sizes), completion_mask.sum(-1), sizes).astype(np.float32)
+    prefix_len = common_prefix(np.split(prompt, np.cumsum(prompt_len)[:-1]), shared_prefix)
     return MicroBatch(*(torch.from_numpy(a).to(device) for a in (
-        input_ids, attention_mask, completion_mask, behaviour, advantages, temperatures, sizes, weights)))
+        input_ids, attention_mask, completion_mask, behaviour, advantages, temperatures, sizes, weights)),
+        prefix_len=prefix_len)
 
 
 def token_totals(rows: Rows) -> tuple[list[int], int]:
@@ -249,21 +256,28 @@ def shard_groups(rows: Rows, num_shards: int) -> list[list[int]]:
 
 
 def micro_batches(rows: Rows, *, rank: int, num_ranks: int, size: int, pad_id: int,
-                  device, max_tokens: int = 0) -> tuple[list[MicroBatch], int]:
+                  device, max_tokens: int = 0, shared_prefix: int = 0) -> tuple[list[MicroBatch], int]:
     """Rank ``rank``'s micro-batches of ``rows`` (at most ``size`` rows and ``max_tokens`` padded
-    tokens each, :func:`pack`) and how many of them are real: the others repeat one row and are
-    trained with weight 0, so that every rank runs as many passes as the busiest one."""
+    tokens each, :func:`pack`; with ``shared_prefix``, trainer/prefix.py's ``pack``) and how many of
+    them are real: the others repeat one row and are trained with weight 0, so that every rank runs
+    as many passes as the busiest one."""
     table = as_table(rows)
     shards = shard_groups(table, num_ranks) if num_ranks > 1 else [list(range(table.num_rows))]
-    prompt_len = _lists(table, "prompt_token_ids")[1]
+    prompt, prompt_len, _ = _lists(table, "prompt_token_ids")
     completion_len = _lists(table, "completion_token_ids")[1]
-    cuts = [[[shard[i] for i in chunk] for chunk in pack(prompt_len[shard].tolist(), completion_len[shard].tolist(),
-                                                          max_rows=size, max_tokens=max_tokens)]
-            for shard in shards]
+    prompts = np.split(prompt, np.cumsum(prompt_len)[:-1]) if shared_prefix else []
+
+    def cut(shard: list[int]) -> list[list[int]]:
+        if shared_prefix:
+            return prefix.pack([prompts[i] for i in shard], completion_len[shard].tolist(), max_rows=size,
+                               max_tokens=max_tokens, min_tokens=shared_prefix)
+        return pack(prompt_len[shard].tolist(), completion_len[shard].tolist(), max_rows=size, max_tokens=max_tokens)
+
+    cuts = [[[shard[i] for i in chunk] for chunk in cut(shard)] for shard in shards]
     chunks = [table.take(pa.array(c, pa.int64())) for c in cuts[rank]]
     live = len(chunks)
     chunks += [table.slice(0, 1)] * (max(len(c) for c in cuts) - live)
-    return [collate(c, pad_id, device) for c in chunks], live
+    return [collate(c, pad_id, device, shared_prefix) for c in chunks], live
 
 
 # The new transitions after the cursor, classified once. Only light columns: the token lists

@@ -119,6 +119,11 @@ class TrainerConfig:
         0, "Padded tokens per forward/backward pass, at most: rows x (longest prompt + longest completion) of "
         "the micro-batch. Rows go longest first; a row longer than this is a pass alone (it costs time, never "
         "a crash). 0: derived at each step from max_memory_gb and the model's size (trainer/memory.py).")
+    shared_prefix_tokens: int = option(
+        32, "A micro-batch whose rows' prompts all start with at least this many equal tokens runs that "
+        "prefix once, not once per row (trainer/prefix.py: the same logprobs and gradients; a GRPO group's "
+        "rows share their prompt); rows are then packed in the order of their prompt tokens, the budget "
+        "counting the prefix once. 0: off, every row's whole prompt is run.")
     max_memory_gb: float = option(
         0.0, "Memory (GiB) the trainer process may use; sizes micro_batch_tokens when that is 0: what is left "
         "after the process's resident memory and the gradients and optimizer moments still to come, over an "
@@ -246,7 +251,8 @@ class TrainerConfig:
         for name in ("micro_batch_size", "min_transitions", "num_iterations", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
-        for name in ("batch_size", "max_staleness", "max_steps", "torch_threads", "micro_batch_tokens"):
+        for name in ("batch_size", "max_staleness", "max_steps", "torch_threads", "micro_batch_tokens",
+                     "shared_prefix_tokens"):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass 0 or a positive {name}")
         if self.batch_size and self.batch_size < self.min_transitions:

@@ -84,6 +84,8 @@ from typing import NamedTuple
 import torch
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from lightspan.trainer.prefix import shared_prefix_logits
+
 Tensor = torch.Tensor
 
 
@@ -128,7 +130,7 @@ def sequence_totals(lengths, trained, rollouts, weights, *, normalisation: str) 
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                   temperatures: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   temperatures: Tensor | None = None, prefix_len: int = 0) -> tuple[Tensor, Tensor]:
     """log pi(o_t | q, o_<t) and the entropy of pi(. | q, o_<t) at each completion token.
 
     ``temperatures`` (B,), when given, tempers each sequence's logits (z / T) first: the policy
@@ -138,13 +140,18 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_
     ``input_ids`` (B, L) is prompt then completion, prompts left-padded and completions
     right-padded, so the completions fill the last C = ``completion_mask.size(1)`` positions.
     Returns two (B, C) tensors, zero where ``completion_mask`` is 0; the entropy has no gradient.
+    ``prefix_len`` > 0: every row's prompt starts with the same that many tokens, computed once
+    (trainer/prefix.py).
     """
     c = completion_mask.size(1)
-    # explicit positions: left padding must not shift the rotary positions vLLM used (0, 1, ...)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=c + 1).logits
-    logits = logits[:, :-1, :]                 # (B, C, V): position t-1 predicts token t
+    if prefix_len:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, completion_mask, prefix_len)
+    else:
+        # explicit positions: left padding must not shift the rotary positions vLLM used (0, 1, ...)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=c + 1).logits
+        logits = logits[:, :-1, :]             # (B, C, V): position t-1 predicts token t
     if temperatures is not None:
         logits = logits / temperatures.to(logits.dtype).view(-1, 1, 1)
     targets = input_ids[:, -c:]                # (B, C)

@@ -48,7 +48,8 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     budget = dist.from_main(accelerator, budget)    # one cut on every rank: their passes must pair
     micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
                                 num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
-                                pad_id=pad_id, device=device, max_tokens=budget)
+                                pad_id=pad_id, device=device, max_tokens=budget,
+                                shared_prefix=cfg.shared_prefix_tokens)
 
     # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
     old = [None] * len(micro)
@@ -56,18 +57,19 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     with torch.no_grad():
         for i, mb in enumerate(micro):
             if cfg.num_iterations > 1:
-                old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures)[0]
+                old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures,
+                                        mb.prefix_len)[0]
             if cfg.beta:
                 with reference(accelerator.unwrap_model(model), ref_model) as ref_policy:
                     ref[i] = token_logprobs(ref_policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                            mb.temperatures)[0]
+                                            mb.temperatures, mb.prefix_len)[0]
 
     sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
     loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
     for _ in range(cfg.num_iterations):
         for i, mb in dist.accumulating(accelerator, model, micro):
             logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                               mb.temperatures)
+                                               mb.temperatures, mb.prefix_len)
             loss, m = policy_loss(
                 logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
                 loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,

@@ -166,8 +166,12 @@ def test_long_rows_are_cut_into_more_micro_batches_by_the_budget(model_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     batch = Batch(table=pa.Table.from_pylist(long), cursor=Cursor())
     m = optimise(Accelerator(cpu=True), model, opt, batch,
-                 TrainerConfig(model=str(model_dir), sync="none", micro_batch_tokens=700))
+                 TrainerConfig(model=str(model_dir), sync="none", micro_batch_tokens=700, shared_prefix_tokens=0))
     assert (m["micro_batches"], m["micro_batch_tokens"]) == (4, 700)        # 2 rows x 300 tokens each
+    # the rows share their 100-token prompt: a pass holds it once and 3 rows' 200 completion tokens
+    m = optimise(Accelerator(cpu=True), model, opt, batch,
+                 TrainerConfig(model=str(model_dir), sync="none", micro_batch_tokens=700))
+    assert (m["micro_batches"], m["micro_batch_tokens"]) == (3, 700)
     m = optimise(Accelerator(cpu=True), model, opt, batch,
                  TrainerConfig(model=str(model_dir), sync="none", micro_batch_tokens=100))
     assert m["micro_batches"] == 8                                          # each row alone, still trained
