@@ -106,8 +106,11 @@ decided() {  # VERSION: wait (at most 5 minutes) until the canary promoted or ro
   echo "run.sh: no canary decision on version $1 within 5 minutes of its traffic's end" >&2
 }
 
+# one torch thread: on a machine whose cores vLLM and the services share, torch's second OpenMP thread
+# waits at every matmul's barrier for the one that was descheduled (README, "Measured": the SFT of 114
+# calls ran 26 minutes on two threads, mostly in gomp_team_barrier_wait_end)
 TRAIN=(--data-dir "$DATA" --model "$MODEL" --vllm-url "http://127.0.0.1:$VLLM_PORT"
-       --sync lora --lora-r 16 --seed "$SEED")
+       --sync lora --lora-r 16 --seed "$SEED" --torch-threads "${TORCH_THREADS:-1}")
 # the hosted model's rewarded calls; a fifth of the requests (by a hash of the request) held out
 HOSTED="request_model = 'hosted-model' AND human_reward IS NOT NULL"
 SELECT="$HOSTED AND human_reward >= 1 AND hash(rollout_key) % 5 <> 0"
@@ -144,12 +147,12 @@ for stage in "$@"; do
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
       build                  # the SFT policy's rewarded requests: the first step's data
       builds & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
-      # a version every EVERY: 5 simulated hours at 60 s an hour, longer than a canary's decision takes
-      # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late:
-      # about 4 hours), so that a candidate is decided before the next one supersedes it
-      $LS train --mode every --every "${EVERY:-5m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
+      # a version every EVERY: 4 simulated hours at 60 s an hour, about what a canary's decision takes
+      # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late),
+      # so that a candidate is mostly decided before the next one supersedes it
+      $LS train --mode every --every "${EVERY:-4m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
         >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
-      mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-10}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       stop "$TRAIN_PID"; mark bad_train
       # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
       # after the scheduled trainer's last step, built now); the canary must roll it back
@@ -160,7 +163,7 @@ for stage in "$@"; do
       bad=$(version)
       [ "$bad" -gt "$before" ] || { echo "run.sh: the bad version was not trained ($LOGS/bad.log says why)" >&2; exit 1; }
       mark bad_traffic "\"version\": $bad"
-      traffic bad 4 --hours "${BAD_HOURS:-6}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
+      traffic bad 4 --hours "${BAD_HOURS:-5}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       decided "$bad"; mark bad_done "\"version\": $bad"
       $LS deploy list --data-dir "$DATA" | tee "$OUT/deployments.txt"
       $LS sql --data-dir "$DATA" --format json "SELECT time_unix_nano, action, version, actor, candidate_rollouts,
