@@ -1,13 +1,14 @@
-"""One intercepted generation call: what to send (:func:`prepare`), where it is recorded (:class:`Call`).
+"""One intercepted generation call: what to send (:func:`prepare`), where it is recorded (:class:`.call.Call`).
 
 :func:`prepare` runs in the client's ``post`` before the request: it looks the call's protocol up
 (:func:`lightspan.tracing.protocols.of`), decides whether the call is captured (:mod:`.urls`),
 makes the capture and the request of the protocol's row (the capture fields added, or the chat
 completion a Responses or Anthropic call converts to), and picks the span (:func:`.spans.target`).
-:class:`Call` then records the capture on the span when the answer (or its stream) ends, and
-counts the outcome (:mod:`.report`). Nothing here depends on which protocol or client library a
-call is but through their rows (:data:`~lightspan.tracing.protocols.PROTOCOLS`,
-:data:`~lightspan.tracing.clients.CLIENTS`).
+A request of its protocol's common shape (``Protocol.common``: the common Anthropic request) takes
+a straight line to the same call (:func:`_prepare_common`). :class:`.call.Call` then records the
+capture on the span when the answer (or its stream) ends, and counts the outcome (:mod:`.report`).
+Nothing here depends on which protocol or client library a call is but through their rows
+(:data:`~lightspan.tracing.protocols.PROTOCOLS`, :data:`~lightspan.tracing.clients.CLIENTS`).
 """
 
 from __future__ import annotations
@@ -19,180 +20,15 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lightspan.tracing import messages, protocols, semconv, spans, urls
+from lightspan.tracing import protocols, semconv, spans, urls
+from lightspan.tracing.call import (Call, _start_attributes, content_on, model_version,  # noqa: F401
+                                    served_policy, settings)
 from lightspan.tracing.clients import Client
 from lightspan.tracing.protocols import Protocol
 from lightspan.tracing.protocols.base import REASONS, converted_path
-from lightspan.tracing.report import CAPTURED, GATEWAY, OTHER_URL, REPORT
+from lightspan.tracing.report import GATEWAY, OTHER_URL, REPORT
 
 log = logging.getLogger(__name__)
-
-
-def model_version() -> int | None:
-    return _model_version(semconv.env("LIGHTSPAN_MODEL_VERSION"))
-
-
-@functools.lru_cache(maxsize=16)
-def _model_version(raw: str) -> int | None:
-    version = raw.strip()
-    return int(version) if version.lstrip("-").isdigit() else None
-
-
-def served_policy(model: str | None) -> tuple[str | None, int | None]:
-    """(policy, version) that served a call to ``model``: with several policies served
-    (``LIGHTSPAN_POLICY_VERSIONS``) the policy of that model name, else none and
-    ``LIGHTSPAN_MODEL_VERSION``'s version."""
-    return _served(model, semconv.env(semconv.POLICY_VERSIONS_ENV), semconv.env("LIGHTSPAN_MODEL_VERSION"))
-
-
-@functools.lru_cache(maxsize=64)
-def _served(model, versions_raw: str, version_raw: str) -> tuple[str | None, int | None]:
-    """:func:`served_policy` of the variables' values (cached: an agent calls a few models)."""
-    versions = _policy_versions(versions_raw)
-    if model in versions:
-        return model, versions[model]
-    return None, _model_version(version_raw)
-
-
-@functools.lru_cache(maxsize=16)
-def _policy_versions(raw: str) -> dict[str, int]:
-    return semconv.parse_policy_versions(raw)
-
-
-def content_on() -> bool:
-    """Whether spans lightspan opens record the messages (off when the GenAI instrumentations' own
-    switches say so: ``TRACELOOP_TRACE_CONTENT=false``, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false``)."""
-    return _content_on(semconv.env("TRACELOOP_TRACE_CONTENT"), semconv.env("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
-
-
-@functools.lru_cache(maxsize=16)
-def _content_on(traceloop: str, otel: str) -> bool:
-    return traceloop.strip().lower() != "false" and otel.strip().lower() != "false"
-
-
-# what the client library's own span of a call records itself (the anthropic SDK's)
-_LIBRARY_RECORDS = frozenset({semconv.GEN_AI_OPERATION_NAME, semconv.GEN_AI_REQUEST_MODEL, semconv.GEN_AI_RESPONSE_MODEL,
-                              semconv.GEN_AI_USAGE_INPUT_TOKENS, semconv.GEN_AI_USAGE_OUTPUT_TOKENS})
-
-
-class Call:
-    """A call being captured: its capture, its span, and what its answer's reader needs."""
-
-    __slots__ = ("client", "protocol", "cap", "span", "owned", "output", "stream", "converted", "ended", "path",
-                 "adopted", "deferred", "start", "name", "content")
-
-    def __init__(self, client: Client, protocol: Protocol, cap, stream: bool):
-        self.client, self.protocol, self.cap, self.stream = client, protocol, cap, stream
-        self.converted = cap is not None and cap.converted
-        self.span, self.owned, self.output, self.ended, self.path = None, False, None, False, None
-        self.adopted = False
-        self.deferred = None   # (adopting's reset token, start ns) while the span to adopt is awaited
-        self.start = None      # the start attributes of a span of our own (a function)
-        self.name = None       # a span of our own's name
-        self.content = False   # whether the span records the messages
-
-    def adopt(self, span) -> None:
-        """The client library's span of this call started (spans.Nesting): record on it."""
-        self.span, self.adopted = span, True
-
-    def settle(self) -> None:
-        """The client's ``post`` returned (or raised): a span awaited that never started is one of
-        our own now, started when the call did."""
-        if self.deferred is None:
-            return
-        token, start_ns = self.deferred
-        self.deferred = None
-        try:
-            spans.NESTING.adopting.reset(token)
-        except ValueError:   # (a token of another context: never break the agent's call over telemetry)
-            spans.NESTING.adopting.set(None)
-        if self.span is None:
-            self.span, self.owned = spans.open_span(self.name, self.start(), start_time=start_ns), True
-
-    def _live(self):
-        """The span to record on: an adopted span that ended already (its library ends it before
-        ``post`` returns when it reads the answer itself) gives way to one of our own."""
-        if self.adopted and getattr(self.span, "end_time", None) is not None:
-            self.span, self.owned, self.adopted = spans.open_span(
-                self.name, self.start(), start_time=self.span.start_time), True, False
-        return self.span
-
-    @property
-    def fed(self) -> int:
-        return self.cap.fed
-
-    def args(self, args: tuple) -> tuple:
-        """The positional arguments of ``post``, with the path a converted call goes to."""
-        return (self.path, *args[1:]) if self.path is not None and args else args
-
-    def unreadable(self) -> None:
-        log.debug("lightspan: unreadable response or stream chunk", exc_info=True)
-        self.cap.readable = False
-
-    def set_status(self, status: str, reason: bool = False) -> None:
-        span = self._live()
-        if span.is_recording():
-            span.set_attribute(semconv.CAPTURE_STATUS, status)
-            if reason:
-                span.set_attribute(semconv.CAPTURE_REASON, REASONS[status])
-
-    def returned(self) -> None:
-        """The client's call returned: the instrumentation's span of a protocol whose span starts
-        late (traceloop's Responses wrapper) starts next."""
-        if self.protocol.late_span and self.span is not None and (self.owned or self.cap is None):
-            spans.NESTING.responses_call.set(spans.span_id(self.span))
-
-    def passed(self, resp):
-        """A call this process does not capture (a gateway does) but holds a span for."""
-        self.returned()
-        if self.owned:
-            self.span.end()
-        return resp
-
-    def finish(self, complete: bool, counted: bool = False) -> None:
-        """The answer is in (``complete``) or the stream was left: record, count, end our span."""
-        if self.ended:
-            return
-        self.ended = True
-        if complete:
-            self._record()
-        else:
-            status = "unparsed_response" if counted else "stream_incomplete"
-            self.set_status(status, reason=True)
-            REPORT.count(status, REASONS[status])
-        if self.owned:
-            self.span.end()
-
-    def _record(self) -> None:
-        cap, span = self.cap, self._live()
-        try:
-            if cap.readable:
-                # the model name the call went to (the answer's, else the request's) names its policy
-                policy, version = served_policy(cap.model or getattr(self.span, "attributes", {}).get(
-                    semconv.GEN_AI_REQUEST_MODEL))
-                attrs = cap.attributes(version)
-                if policy is not None:
-                    attrs[semconv.POLICY_NAME] = policy
-            else:
-                attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
-            if self.adopted and cap.readable:   # the library's span: what it does not record itself
-                attrs.update(self.start(adopted=True))
-                for key, value in cap.genai_attributes().items():
-                    if key not in _LIBRARY_RECORDS:
-                        attrs[key] = value
-            elif self.owned and cap.readable:
-                attrs.update(cap.genai_attributes())
-            if (self.owned or self.adopted) and cap.readable and self.content:
-                out = self.protocol.outputs(cap, self.output)
-                if out is not None:
-                    attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = messages.dumps(out)
-        except Exception:  # never break the agent's call over telemetry
-            log.debug("lightspan: could not record token ids", exc_info=True)
-            attrs = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
-        if span.is_recording():
-            span.set_attributes(attrs)
-        status = attrs.get(semconv.CAPTURE_STATUS)
-        REPORT.count(status, attrs.get(semconv.CAPTURE_REASON) if status != CAPTURED else None)
 
 
 _LAST_BASE_URL: list = [None, ""]  # the base URL object seen last, its text
@@ -258,36 +94,11 @@ def _adopts(call: "Call", instance, options) -> bool:
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"   # the SDKs' marker of with_raw/streaming_response
 
 
-def _start_attributes(protocol: Protocol, model: str, body: dict, content: list, on: bool, adopted: bool = False) -> dict:
-    """A span of our own's start attributes, with the messages when ``on`` (:func:`content_on`, read
-    as the call began); ``content`` gets True when they hold them. ``adopted``: less what the
-    client library's span records itself."""
-    attrs = dict(_start_names(protocol.operation, model, protocol.provider, semconv.env(semconv.SEMCONV_OPT_IN_ENV),
-                              adopted))
-    if on:
-        content.append(True)
-        try:
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(protocol.inputs(body))
-        except Exception:
-            log.debug("lightspan: could not read the request's messages", exc_info=True)
-    return attrs
-
-
-@functools.lru_cache(maxsize=64)
-def _start_names(operation: str, model: str, provider: str, opt_in: str, adopted: bool = False) -> dict:
-    """The GenAI start attributes of a call (``semconv.genai``'s names for ``OTEL_SEMCONV_STABILITY_OPT_IN=opt_in``;
-    ``adopted``: less what the client library's span records itself; cached: an agent calls a few
-    models; the caller copies them)."""
-    names = semconv.genai({semconv.GEN_AI_OPERATION_NAME: operation, semconv.GEN_AI_REQUEST_MODEL: model,
-                           semconv.GEN_AI_PROVIDER_NAME: provider}, {semconv.SEMCONV_OPT_IN_ENV: opt_in})
-    return {k: v for k, v in names.items() if k not in _LIBRARY_RECORDS} if adopted else names
-
-
-def _open(call: Call, body: dict, instance=None, options=None) -> bool:
+def _open(call: Call, body: dict, instance=None, options=None, on: bool | None = None) -> bool:
     """Pick the call's span (or await the client's: :meth:`Call.settle`); True when the span
-    records the messages lightspan reads."""
+    records the messages lightspan reads (``on``: :func:`content_on`, read already)."""
     content: list = []
-    on = content_on()
+    on = content_on() if on is None else on
     model = str(body.get("model") or "")
     # (a partial, not a closure over the call: the call must not be part of a reference cycle, or its
     # answer's data would wait for the garbage collector)
@@ -317,12 +128,17 @@ def prepare(client: Client, instance, args, kwargs):
     protocol = _protocol_of(path, client.name)
     if protocol is None:
         return None, kwargs
-    raw = semconv.env("LIGHTSPAN_CAPTURE_URLS")
+    now = settings()
+    raw = now.capture_urls
     base = _base_url_text(instance)
-    captured, agl = _route(base, path, raw, semconv.env("AGL_OPENAI_BASE_URL"))
+    captured, agl = _route(base, path, raw, now.agl_base_url)
     options = kwargs.get("options")
     if not captured:
         return _not_captured(client, protocol, base, raw, body, options, kwargs)
+    if protocol.common is not None and not agl:
+        common = _prepare_common(client, protocol, instance, args, kwargs, path, body, options, now.content)
+        if common is not None:
+            return common
     stream = bool(kwargs.get("stream") or body.get("stream"))
     extra = options.get("extra_json") if isinstance(options, dict) else None
     # what the caller asked for: the client merges ``extra_body`` (``options["extra_json"]``) over the body
@@ -340,9 +156,36 @@ def prepare(client: Client, instance, args, kwargs):
             kwargs["path"] = chat_path
     if agl:   # (a converted capture shows the caller nothing of the chat answer's either way)
         call.cap.caller_ids = call.cap.caller_logprobs = True
-    content = call.content = _open(call, plain, instance, options)
+    content = call.content = _open(call, plain, instance, options, now.content)
     if content:   # the assistant turn, read as the answer passes, for the span's output messages
         call.output = protocol.output(call.cap, stream)
+    return call, kwargs
+
+
+def _prepare_common(client: Client, protocol: Protocol, instance, args, kwargs, path: str, body: dict, options,
+                    on: bool):
+    """:func:`prepare`'s straight line for a request of its protocol's common shape
+    (``Protocol.common``: the common Anthropic request): the same call, request and span, in fewer
+    steps; None for any other request, or a client that cannot take its converted answer (the
+    general steps take it, and say why)."""
+    extra = options.get("extra_json") if isinstance(options, dict) else None
+    plain = client.given({**body, **extra} if isinstance(extra, dict) and extra else body)
+    cap = protocol.common(plain)
+    if cap is None:
+        return None
+    stream = bool(kwargs.get("stream") or body.get("stream"))
+    if client.cannot_convert(instance, stream):
+        return None
+    call = Call(client, protocol, cap, stream)
+    kwargs = {**kwargs, "body": cap.chat_body}
+    if isinstance(options, dict):
+        kwargs["options"] = sent = dict(options)
+        sent.pop("extra_json", None)
+    if args:
+        call.path = _converted_path(path, protocol.name)
+    else:
+        kwargs["path"] = _converted_path(path, protocol.name)
+    call.content = _open(call, plain, instance, options, on)   # (its capture holds its output messages)
     return call, kwargs
 
 

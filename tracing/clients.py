@@ -15,6 +15,8 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 from typing import NamedTuple
 
 from lightspan.tracing import hooks
@@ -34,6 +36,10 @@ class Client:
     """The library's import name (its ``_base_client`` module's ``post`` is wrapped)."""
     plain: Callable
     """(the body its ``post`` gets) -> the body as JSON data, as the library will send it."""
+    given: Callable
+    """(the body its ``post`` gets) -> the body without the library's top-level sentinels (its
+    arguments left unset), nothing else changed: ``plain``'s first step, all of it for a body of
+    JSON data (a protocol's common shape checks that: ``Protocol.common``)."""
     cannot_convert: Callable
     """(client instance, stream) -> why a converted answer cannot reach the caller through it, or None."""
     own_spans: bool
@@ -102,13 +108,20 @@ def _json_ready(value, depth: int = 0) -> bool:
     return False
 
 
+def _anthropic_given(body: dict) -> dict:
+    """An ``anthropic`` request body without its top-level ``omit`` / ``NOT_GIVEN`` sentinels (each
+    value's type looked up in a set, in C: a posted body holds a dozen sentinels)."""
+    sentinel = _anthropic_prepare()[2]
+    return dict(compress(body.items(), map(not_, map(sentinel, map(type, body.values())))))
+
+
 def _anthropic_plain(body: dict) -> dict:
     """An ``anthropic`` request body as JSON-ready data: anthropic 2.x hands ``post`` its arguments
     with ``omit`` sentinels and pydantic blocks (a previous answer's ``content`` sent back).
 
     A body that is plain data but for its top-level sentinels (most calls) loses them here; the
     rest goes through the client's own ``prepare_request_data`` (its copy costs three times more)."""
-    prepare_request_data, sentinels = _anthropic_prepare()
+    prepare_request_data, sentinels, _ = _anthropic_prepare()
     if prepare_request_data is None:   # older releases transform the body before post
         return body
     out = {}
@@ -124,13 +137,13 @@ def _anthropic_plain(body: dict) -> dict:
 
 @functools.cache
 def _anthropic_prepare():
-    """(anthropic's ``prepare_request_data`` or None, its sentinel types)."""
+    """(anthropic's ``prepare_request_data`` or None, its sentinel types, whether a type is one of them)."""
     try:
         from anthropic._types import NotGiven, Omit
         from anthropic._utils import prepare_request_data
     except ImportError:
-        return None, ()
-    return prepare_request_data, (NotGiven, Omit)
+        return None, (), frozenset().__contains__
+    return prepare_request_data, (NotGiven, Omit), frozenset({NotGiven, Omit}).__contains__
 
 
 def _anthropic_cannot_convert(instance, stream: bool) -> str | None:
@@ -161,9 +174,10 @@ def _class_decoder(cls: type) -> bool:
 
 
 CLIENTS: dict[str, Client] = {
-    "openai": Client("openai", plain=_given, cannot_convert=_converts, own_spans=False, eager_stream=True,
+    "openai": Client("openai", plain=_given, given=_given, cannot_convert=_converts, own_spans=False, eager_stream=True,
                      types=_openai_types),
-    "anthropic": Client("anthropic", plain=_anthropic_plain, cannot_convert=_anthropic_cannot_convert,
-                        own_spans=True, eager_stream=False, types=_anthropic_types),
+    "anthropic": Client("anthropic", plain=_anthropic_plain, given=_anthropic_given,
+                        cannot_convert=_anthropic_cannot_convert, own_spans=True, eager_stream=False,
+                        types=_anthropic_types),
 }
 """The client libraries by name; each speaks the protocols whose row names it."""

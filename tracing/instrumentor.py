@@ -161,7 +161,7 @@ def _finish(resp, call: Call, parsed=None):
         else:
             call.set_status("stream_incomplete")
         return raw if raw is not None else resp
-    if not call.fed and not call.converted:   # the JSON hook did not see the response: read the object
+    if not call.converted and not call.fed:   # the JSON hook did not see the response: read the object
         try:
             call.cap.add(resp, hide=True)
         except Exception:
@@ -174,16 +174,20 @@ def _sync_post(client: Client, wrapped, instance, args, kwargs):
     call, kwargs = prepare(client, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
-    args = call.args(args)
+    if call.path is not None and args:
+        args = call.args(args)
     try:
-        with trace.use_span(call.span, end_on_exit=False) if call.owned else nullcontext():
-            # the response is decoded inside: the JSON hook feeds the call (one that captures)
-            token = FEEDING.set(call if call.cap is not None else None)
-            try:
+        # the response is decoded inside: the JSON hook feeds the call (one that captures)
+        token = FEEDING.set(call if call.cap is not None else None)
+        try:
+            if call.owned:
+                with trace.use_span(call.span, end_on_exit=False):
+                    resp = wrapped(*args, **kwargs)
+            else:   # (the span is the current one, or the client's, adopted as it starts)
                 resp = wrapped(*args, **kwargs)
-            finally:
-                FEEDING.reset(token)
-                call.settle()
+        finally:
+            FEEDING.reset(token)
+            call.settle()
     except BaseException as exc:
         _failed(call, exc)
         raise

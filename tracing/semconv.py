@@ -109,6 +109,27 @@ def env(name: str) -> str:
 _ENV_KEYS: dict = {}
 
 
+def env_raw(names: tuple) -> tuple:
+    """The values of several variables as ``os.environ`` keeps them (None: unset), read at once, as
+    :func:`env` reads one (a tenth of its time per variable): a key for a cache of what is made of
+    them; :func:`env_text` gives their text."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if type(data) is not dict:
+        return tuple(environ.get(name) for name in names)
+    keys = _ENV_KEYS.get(names)
+    if keys is None:
+        keys = _ENV_KEYS[names] = tuple(map(environ.encodekey, names))
+    return tuple(map(data.get, keys))
+
+
+def env_text(raw: tuple) -> tuple:
+    """The text of :func:`env_raw`'s values, as :func:`env` gives each ("" when unset)."""
+    decode = getattr(os.environ, "decodevalue", None)
+    return tuple("" if value is None else value if type(value) is str or decode is None else decode(value)
+                 for value in raw)
+
+
 def genai_names(environ=None) -> tuple[bool, bool]:
     """(write the older names, write the v0.1.0 names), as ``OTEL_SEMCONV_STABILITY_OPT_IN`` asks:
     unset, the older ones (the OTel instrumentations' default); :data:`GENAI_LATEST`, the new ones;

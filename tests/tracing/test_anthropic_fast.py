@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from lightspan.tracing import semconv
+from lightspan.tracing.protocols import anthropic_common as common
 from lightspan.tracing.protocols import anthropic_messages as am
 from lightspan.tracing.protocols.anthropic_convert import to_chat
 from tests.tracing.otel import _instrumented
@@ -128,11 +129,74 @@ def test_both_paths_give_a_streams_events_and_attributes_alike(fixed_signatures)
     {"model": "m", "max_tokens": True, "messages": [{"role": "user", "content": "hi"}]},
     {"model": "", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
     {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {}},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": True},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "top_p": "0.9"},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": "\n"},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [1]},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": 1},
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "system": []},
 ], ids=["blocks", "tools", "thinking", "metadata", "system_blocks", "turn_field", "system_turn", "no_turns",
-        "bool_max_tokens", "no_model", "vllm_field"])
+        "bool_max_tokens", "no_model", "vllm_field", "bool_temperature", "text_top_p", "text_stop", "int_stop",
+        "int_stream", "list_system"])
 def test_any_other_request_takes_the_general_path(body):
     assert am.common_chat(body) is None
     assert type(am.PROTOCOL.capture(body)) is am.AnthropicCapture
+    assert am.PROTOCOL.common(body) is None
+
+
+def _posted(rng: random.Random) -> tuple[dict, dict | None]:
+    """A random body as the anthropic client posts it (its ``omit`` sentinels in it), and its
+    ``extra_body``: mostly of the common shape, some not."""
+    from anthropic import omit
+
+    body = _common(rng)
+    if rng.random() < 0.2:   # a field outside the common shape
+        body[rng.choice(["metadata", "thinking", "system", "temperature"])] = rng.choice(
+            [{"user_id": "u"}, [{"type": "text", "text": "s"}], True, {"type": "enabled", "budget_tokens": 9}])
+    posted = {**{k: omit for k in ("metadata", "service_tier", "stop_sequences", "system", "thinking", "tools")}, **body}
+    extra = rng.choice([None, {}, {"temperature": 0.5}, {"top_k": 3}, {"chat_template_kwargs": {}}, {"top_p": None}])
+    return posted, extra
+
+
+def test_the_instrumentors_straight_line_prepares_the_call_as_the_general_steps_do(monkeypatch, fixed_signatures):
+    """``calls.prepare``'s straight line for the common shape (``Protocol.common``) sends the request,
+    options and path the general steps send, with the same capture and span choice; other bodies
+    take the general steps."""
+    import anthropic
+
+    from lightspan.tracing import calls
+    from lightspan.tracing.clients import CLIENTS
+
+    client = CLIENTS["anthropic"]
+    instance = anthropic.Anthropic(base_url="http://127.0.0.1:9", api_key="x", max_retries=0)   # loopback: captured
+    general = calls._prepare_common
+    rng = random.Random(18)
+    straight = 0
+    with _instrumented():   # (the JSON hooks installed: the client can take a converted answer)
+        _prepare_both(monkeypatch, calls, general, client, instance, rng, counted := [])
+    straight = sum(counted)
+    assert 100 < straight < 300
+
+
+def _prepare_both(monkeypatch, calls, general, client, instance, rng, counted: list) -> None:
+    for _ in range(300):
+        posted, extra = _posted(rng)
+        options = {"headers": {"X-Stainless-Raw-Response": rng.choice([None, "raw"])}, "timeout": 5}
+        if extra is not None:
+            options["extra_json"] = extra
+        seen = []
+        for fast in (True, False):
+            monkeypatch.setattr(calls, "_prepare_common", general if fast else (lambda *a, **k: None))
+            kwargs = {"body": dict(posted), "options": dict(options), "cast_to": object,
+                      "stream": rng.choice([False, None]) if fast else seen[0][0]["stream"]}
+            call, sent = calls.prepare(client, instance, ("/v1/messages",), kwargs)
+            call.settle()
+            cap = call.cap
+            seen.append((kwargs, sent, call.path, call.stream, call.converted, call.content, call.name, call.owned,
+                         call.adopted, cap.body, cap.request() if cap.converted else None, cap.temperature,
+                         cap.unsupported, cap.stream is None, call.output is None))
+            counted.append(fast and type(cap) is am.SimpleCapture and cap.chat_body is sent["body"])
+        assert seen[0][1:] == seen[1][1:]
 
 
 # --- end to end: the instrumentor, the anthropic client, a mocked vLLM ------------------------------
@@ -175,9 +239,9 @@ def test_the_stored_span_is_the_same_through_both_paths(monkeypatch, fixed_signa
                                                     "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "length"}]},
         {"id": "c", "model": "policy", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}]
     stored, taken = [], []
-    original = am.common_chat
-    for fast in (True, False):
-        monkeypatch.setattr(am, "common_chat", original if fast else (lambda body: None))
+    original = common.common_chat
+    for fast in (True, False):   # (both the instrumentor's straight line and SimpleCapture, or neither)
+        monkeypatch.setattr(common, "common_chat", original if fast else (lambda body, capture=False: None))
         monkeypatch.setattr(am.SimpleCapture, "message", _noting(taken, am.SimpleCapture.message))
         with _instrumented() as exporter:
             for kwargs, answer in cases:

@@ -91,6 +91,12 @@ class Protocol:
     fields: dict
     """The request fields the gateway reads itself, with the JSON types it reads them as:
     {name: (Python types, "a boolean")}; one of the wrong type is a 400 naming it."""
+    common: Callable | None = None
+    """(the caller's body, its client's sentinels dropped) -> the capture of a request of the
+    protocol's common shape, made in one pass, whose ``chat_body`` is sent as it is and which holds
+    what its output messages are made of (``output`` gives None for it); None for any other
+    request. The instrumentor takes such a call in a straight line (:func:`lightspan.tracing.calls.prepare`),
+    any other the general way. None: no such shape (every request goes the general way)."""
     late_span: bool = False
     """Whether the GenAI instrumentation's span of a call starts only after the call returns
     (traceloop's Responses wrapper): the instrumentor then opens a span of its own for it."""
