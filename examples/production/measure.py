@@ -47,9 +47,8 @@ def sample(root: psutil.Process, seen: dict) -> None:
         try:
             with p.oneshot():
                 t = p.cpu_times()
-                key = (p.pid, p.create_time())
-                label = seen[key][1] if key in seen else kind(p.cmdline())
-                seen[key] = (t.user + t.system, label)
+                # vLLM's engine and workers rename themselves (VLLM::Worker) after they start: read again
+                seen[(p.pid, p.create_time())] = (t.user + t.system, kind([p.name(), *p.cmdline()]))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
 

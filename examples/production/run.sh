@@ -150,8 +150,10 @@ for stage in "$@"; do
       # a version every EVERY: 4 simulated hours at 60 s an hour, about what a canary's decision takes
       # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late),
       # so that a candidate is mostly decided before the next one supersedes it
+      # --verify-sync false: the sync check's prompt_logprobs request, batched with the users' requests
+      # on a LoRA adapter, kills vLLM's CPU engine (docs/architecture.md, "einsum(): subscript b")
       $LS train --mode every --every "${EVERY:-4m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
-        >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
+        --verify-sync false >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
       mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       stop "$TRAIN_PID"; mark bad_train
       # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
