@@ -57,3 +57,17 @@ def test_bad_canary_share_and_time_to_its_rollback():
     undecided = summarize.bad_canary([{"event": "bad_traffic", "t": 99.0, "version": 5}], decisions[:1], records,
                                      served)
     assert undecided["decision"] is None and undecided["wall_s_to_decision"] is None
+
+
+def test_run_sh_trainers_fit_a_shared_cpu_and_live_traffic():
+    """run.sh's trainers: one torch thread (two spin at OpenMP barriers on a shared 2-core machine),
+    and the scheduled one, which trains beside the users' requests, without the sync check whose
+    prompt_logprobs request kills vLLM's CPU engine under LoRA when batched with them."""
+    from pathlib import Path
+
+    text = (Path(summarize.__file__).parent / "run.sh").read_text()
+    train_args = text[text.index("TRAIN=("):text.index(")", text.index("TRAIN=("))]
+    assert '--torch-threads "${TORCH_THREADS:-1}"' in train_args
+    every = text[text.index("train --mode every"):]
+    every = every[:every.index("TRAIN_PID=")]
+    assert "--verify-sync false" in every
