@@ -176,7 +176,10 @@ class Canary:
                          r["reason"])
             state = self.reader.state()
         self.state = state
-        if self.cfg.load_adapters and any(d.candidate is not None for d in state.values()):
+        # every arm, the serving one too: calls go to its versioned name even with no canary running,
+        # and a vLLM restarted since has none of them (the users' calls would get 404 until training
+        # published again)
+        if self.cfg.load_adapters and any(d.serving is not None or d.candidate is not None for d in state.values()):
             self._load_adapters()
 
     def check(self, con=None) -> list[dict]:

@@ -357,6 +357,12 @@ def test_the_arms_adapters_are_loaded_where_a_replica_lacks_them(tmp_path):
         assert posts == [("/v1/load_lora_adapter", {"lora_name": "policy-v2", "lora_path": "/ck/v2"})]
         canary.refresh()
         assert len(posts) == 1                                           # listed now: not loaded again
+        # no canary running, a vLLM restarted without the serving version's adapter: loaded too
+        # (calls go to policy-v<serving>; before, only a running canary loaded the arms)
+        loaded.clear()
+        dep.record(tmp_path, [dep.row("", 2, "rollback", time_unix_nano=3, checkpoint="/ck/v2")])
+        canary.refresh()
+        assert posts[1:] == [("/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": "/ck/v1"})]
     finally:
         server.shutdown()
 
