@@ -123,7 +123,8 @@ class TrainerConfig:
         32, "A micro-batch whose rows' prompts all start with at least this many equal tokens runs that "
         "prefix once, not once per row (trainer/prefix.py: the same logprobs and gradients; a GRPO group's "
         "rows share their prompt); rows are then packed in the order of their prompt tokens, the budget "
-        "counting the prefix once. 0: off, every row's whole prompt is run.")
+        "counting the prefix once. 0: off, every row's whole prompt is run. One process only: under DDP or "
+        "FSDP (several ranks) it is off.")
     max_memory_gb: float = option(
         0.0, "Memory (GiB) the trainer process may use; sizes micro_batch_tokens when that is 0: what is left "
         "after the process's resident memory and the gradients and optimizer moments still to come, over an "

@@ -49,7 +49,9 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
                                 num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
                                 pad_id=pad_id, device=device, max_tokens=budget,
-                                shared_prefix=cfg.shared_prefix_tokens)
+                                # one process only: two forward calls before one backward is untested
+                                # under DDP's and FSDP's hooks
+                                shared_prefix=cfg.shared_prefix_tokens if accelerator.num_processes == 1 else 0)
 
     # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
     old = [None] * len(micro)
