@@ -37,7 +37,6 @@ import numpy as np
 from lightspan import store
 from lightspan.core.config import ConfigError
 from lightspan.store.attribution import rewards_per_call
-from lightspan.tracing.messages import _arguments
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +221,15 @@ def chat_message(message) -> list[dict]:
     if calls:
         out["tool_calls"] = calls
     return [out]
+
+
+def _arguments(value):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _functions(entries) -> list | None:
