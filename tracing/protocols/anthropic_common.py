@@ -90,7 +90,7 @@ class SimpleCapture(AnthropicCapture):
     """:class:`AnthropicCapture` of a request of the common shape (:func:`common_chat`): the same
     interface and results, in fewer steps for the usual answer (one choice of text, no tool calls,
     no reasoning); any other answer is read the general way. Its non-streamed answer's output
-    messages are made from the answer it read (:func:`output` gives it no ``ChatOutput``)."""
+    messages are made from the answer it read (:func:`.anthropic_messages.output` gives it no ``ChatOutput``)."""
 
     def __init__(self, body: dict, chat_body: dict):
         self.body, self.chat_body = body, chat_body

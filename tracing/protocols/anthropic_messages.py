@@ -3,8 +3,8 @@
 
 :class:`~.anthropic_capture.AnthropicCapture` holds the converted request and a chat-completions
 :class:`~.chat.Capture` of vLLM's answer: it reads the answer's ids and logprobs, and turns the
-answer into what the caller asked for (:meth:`~.AnthropicCapture.message` for a response,
-:meth:`~.AnthropicCapture.events` for each stream chunk); the common request (text turns) takes
+answer into what the caller asked for (:meth:`~.anthropic_capture.AnthropicCapture.message` for a response,
+:meth:`~.anthropic_capture.AnthropicCapture.events` for each stream chunk); the common request (text turns) takes
 fewer steps (:mod:`.anthropic_common`). A request the conversion cannot reproduce
 goes to ``/v1/messages`` as it is (``unsupported_request``: that route gives no ids). Errors are
 Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``. Only the ``anthropic``
