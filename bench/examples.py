@@ -77,7 +77,7 @@ EXAMPLES = {
         "examples/sandbox/agent.py", "examples/sandbox",
         ("--steps", "12", "--tasks-per-step", "4", "--samples", "8", "--concurrency", "32", "--lora-r", "16",
          "--learning-rate", "3e-4", "--entropy-floor", "0.2", "--disabled-instrumentations", "langchain",
-         "--rollout-timeout-s", "600", "--time-budget-s", "2100"),
+         "--rollout-timeout-s", "600", "--cpu-budget-s", "2700", "--time-budget-s", "3600"),
         service="vllm", what="openai client, Python in bubblewrap"),
     "calc_agent": Example(
         "examples/calc_agent/agent.py", "examples/calc_agent",
