@@ -160,19 +160,31 @@ def _round(arms: dict, calls: int) -> dict:
     return {"cpu_ms": medians, "overhead_ms": over, "ratio": over["lightspan"] / over["span"]}
 
 
-def measure(args) -> dict:
+def prompt_of(chars: int) -> str:
+    """The agent's prompt, ``chars`` characters of English."""
+    return ("The quick brown fox jumps over the lazy dog. " * (chars // 45 + 1))[:chars]
+
+
+def clients_of(url: str, provider) -> dict:
+    """The clients of every arm, of ``url`` (``…/v1``): those built before lightspan's instrumentor
+    (``plain``, the floor's), then the instrumentor on ``provider`` and the captured ones."""
     import httpx2
 
     from lightspan.tracing.instrumentor import LightspanInstrumentor
 
-    provider, exporter = co._tracing()
-    stub, url = co._start_stub(args.prompt_tokens, args.completion_tokens)
-    prompt = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_chars // 45 + 1))[:args.prompt_chars]
     clients = {"plain": co._clients(url), "floor_data": fa.floor_client(url, False),
                "floor_span": fa.floor_client(url, True), "floor_responses": fa.responses_client(url)}
     LightspanInstrumentor().instrument(tracer_provider=provider)
     httpx2.Response.json = fa.json_hook(httpx2.Response.json)   # (lightspan's hook underneath)
     clients["captured"] = co._clients(url)
+    return clients
+
+
+def measure(args) -> dict:
+    provider, exporter = co._tracing()
+    stub, url = co._start_stub(args.prompt_tokens, args.completion_tokens)
+    prompt = prompt_of(args.prompt_chars)
+    clients = clients_of(url, provider)
     tracer = provider.get_tracer("bench.floor")
     modes = [m for m in MODES if m in args.modes.split(",")]
     arms = {mode: _arms(mode, clients, tracer, prompt, args.completion_tokens) for mode in modes}

@@ -130,6 +130,22 @@ def _responses(prompt_ids, ids, tokens, content, with_ids: bool, lp: bool) -> tu
     return json.dumps(response).encode(), _sse(events, named=True)
 
 
+def answer(canned: dict, path: str, request: dict, ids_for_all: bool = False) -> tuple[str, bytes]:
+    """(content type, body) of the canned answer (:func:`bodies`) to ``request`` posted to ``path``
+    (the server's, and bench/capture_opcodes.py's mocked transport's)."""
+    stream = bool(request.get("stream"))
+    if path.endswith("/responses"):
+        key = ("responses", stream, ids_for_all or bool(request.get("enable_response_messages")),
+               "message.output_text.logprobs" in (request.get("include") or ()), False)
+    elif path.endswith("/messages"):
+        key = ("messages", stream, False, False, False)
+    else:
+        usage = stream and bool((request.get("stream_options") or {}).get("include_usage"))
+        key = ("chat", stream, ids_for_all or bool(request.get("return_token_ids")), bool(request.get("logprobs")),
+               usage)
+    return ("text/event-stream" if stream else "application/json"), canned[key]
+
+
 def serve(port: int, prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> None:
     canned = bodies(prompt_tokens, completion_tokens)
 
@@ -142,19 +158,9 @@ def serve(port: int, prompt_tokens: int, completion_tokens: int, ids_for_all: bo
 
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            stream = bool(request.get("stream"))
-            if self.path.endswith("/responses"):
-                key = ("responses", stream, ids_for_all or bool(request.get("enable_response_messages")),
-                       "message.output_text.logprobs" in (request.get("include") or ()), False)
-            elif self.path.endswith("/messages"):
-                key = ("messages", stream, False, False, False)
-            else:
-                usage = stream and bool((request.get("stream_options") or {}).get("include_usage"))
-                key = ("chat", stream, ids_for_all or bool(request.get("return_token_ids")),
-                       bool(request.get("logprobs")), usage)
-            body = canned[key]
+            content_type, body = answer(canned, self.path, request, ids_for_all)
             self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
