@@ -33,31 +33,25 @@ The collector turns each such event into a reward span of the evaluated call's r
 The reward spans are the collector's own (scope :data:`~lightspan.store.schema.REWARD_SCOPE`, which
 no OTLP sender may use), so every reader (views, builder, UI) sees them as any late reward. They are
 derived by the writer from what the WAL holds, so a replay derives them again, with the same ids.
+The writer's side is collector/evaluation_writer.py; the conflict check on the request path, and
+lightspan's own rewards sent out as these events, collector/evaluation_requests.py.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import logging
 import math
-import threading
-import time
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from lightspan import store
-from lightspan.collector import otlp_logs
 from lightspan.collector.reward_integrity import reward_ids
 from lightspan.store.schema import REWARD_SCOPE
 from lightspan.tracing import semconv as sc
 
-log = logging.getLogger(__name__)
 
 EVENT = sc.GEN_AI_EVALUATION_RESULT
 RESERVED_SOURCES = ("agent", "judge", "human", "api")
@@ -202,7 +196,7 @@ def from_spans(table: pa.Table) -> tuple[list[Evaluation], int]:
 _SPAN_COLUMNS = ["trace_id", "span_id", "rollout_id", "task_id", "split", "service_name", "operation_name"]
 
 
-def _candidates(table: pa.Table, traces: set[str], responses: set[str]) -> list[dict]:
+def candidates(table: pa.Table, traces: set[str], responses: set[str]) -> list[dict]:
     """The rows of a spans table in ``traces`` or answering ``responses``, as dicts with
     ``is_call`` and ``response_id``."""
     if not table.num_rows:
@@ -225,8 +219,8 @@ def _candidates(table: pa.Table, traces: set[str], responses: set[str]) -> list[
     return rows
 
 
-def _stored_candidates(data_dir, traces: set[str], responses: set[str]) -> list[dict]:
-    """:func:`_candidates` of the spans already in the store."""
+def stored_candidates(data_dir, traces: set[str], responses: set[str]) -> list[dict]:
+    """:func:`candidates` of the spans already in the store."""
     def query():
         con = store.connect(data_dir)
         try:
@@ -295,7 +289,7 @@ def ids(secret: bytes, ev: Evaluation) -> tuple[bytes, bytes]:
     return (bytes.fromhex(ev.trace_id) if ev.trace_id else trace_id), span_id
 
 
-def _set(span, key: str, value) -> None:
+def add_attribute(span, key: str, value) -> None:
     if value is None:
         return
     kv = span.attributes.add(key=key)
@@ -326,229 +320,5 @@ def reward_request(evaluations: list[Evaluation], secret: bytes,
                  sc.GEN_AI_RESPONSE_ID: ev.response_id, sc.REWARD_EVALUATED_TRACE_ID: evaluated_trace,
                  sc.REWARD_EVALUATED_SPAN_ID: evaluated_span}
         for key, value in sc.genai({k: v for k, v in attrs.items() if v is not None}).items():
-            _set(span, key, value)
-    return request
-
-
-class Rewards:
-    """The writer's side: evaluations found in each flushed chunk become reward rows; those whose
-    span has not arrived wait (bounded, up to ``wait_s``), and are looked for again at each flush."""
-
-    def __init__(self, data_dir, secret: bytes, label_values: dict[str, float] | None, wait_s: float, metrics):
-        self.data_dir = data_dir
-        self.secret = secret
-        self.label_values = label_values
-        self.wait_s = wait_s
-        self.metrics = metrics
-        self.pending: list[Evaluation] = []     # waiting for their span
-        self.ready: list[Evaluation] = []       # matched, not yet written (read back at a restart)
-
-    def rows(self, span_tables: list[pa.Table], log_tables: list[pa.Table], *, final: bool = False) -> pa.Table | None:
-        """The reward rows (``SPAN_SCHEMA``) of the evaluations in these tables and of those
-        waiting; ``final``: store the waiting ones now, matched or not (the collector stops)."""
-        found = []
-        for table in log_tables:
-            evaluations, invalid = from_logs(table)
-            found += evaluations
-            self.metrics.add("evaluations_invalid_total", invalid)
-        for table in span_tables:
-            evaluations, invalid = from_spans(table)
-            found += evaluations
-            self.metrics.add("evaluations_invalid_total", invalid)
-        if not found and not self.pending and not self.ready:
-            return None
-        self.metrics.add("evaluations_received_total", len(found))
-        evaluations, self.pending = self.pending + found, []
-        ready, unknown = self._match(evaluations, span_tables)
-        ready, self.ready = self.ready + ready, []
-        now = time.time_ns()
-        for ev in unknown:
-            if final or now - ev.received_ns >= self.wait_s * 1e9:
-                self.metrics.add("evaluations_unmatched_total")
-                ready.append(ev)
-            else:
-                self.pending.append(ev)
-        if len(self.pending) > MAX_PENDING:       # bounded: the oldest are stored unmatched
-            spill, self.pending = self.pending[:-MAX_PENDING], self.pending[-MAX_PENDING:]
-            self.metrics.add("evaluations_unmatched_total", len(spill))
-            ready += spill
-        if not ready:
-            return None
-        return self.table(ready)
-
-    def _match(self, evaluations: list[Evaluation], span_tables: list[pa.Table]):
-        """(evaluations whose span is known, those still unknown): the spans flushed beside them
-        first, then the store, asked once for all. An event with neither span context nor response
-        id has nothing to wait for."""
-        ready = [ev for ev in evaluations if ev.resolved or not (ev.trace_id or ev.response_id)]
-        todo = [ev for ev in evaluations if not ev.resolved and (ev.trace_id or ev.response_id)]
-        for where in ("chunk", "store"):
-            if not todo:
-                break
-            traces = {ev.trace_id for ev in todo if ev.trace_id}
-            responses = {ev.response_id for ev in todo if ev.response_id}
-            if where == "chunk":
-                rows = [row for table in span_tables for row in _candidates(table, traces, responses)]
-            else:
-                try:
-                    rows = _stored_candidates(self.data_dir, traces, responses)
-                except Exception:        # a store that cannot be read now: wait, as for a late span
-                    log.exception("could not look up evaluated spans in the store; retrying at the next flush")
-                    break
-            todo = resolve(todo, rows)
-            ready += [ev for ev in todo if ev.resolved]
-            todo = [ev for ev in todo if not ev.resolved]
-        return ready, todo
-
-    def table(self, evaluations: list[Evaluation]) -> pa.Table:
-        from lightspan.collector.otlp import flatten     # the one row builder of SPAN_SCHEMA
-
-        table, rejected, first = flatten(reward_request(evaluations, self.secret, self.label_values), 0)
-        if rejected:      # the collector's own spans: never malformed
-            log.error("%d evaluation reward(s) did not flatten: %s", rejected, first)
-        received = table.schema.get_field_index("received_unix_nano")
-        table = table.set_column(received, "received_unix_nano",
-                                 pa.array([ev.received_ns for ev in evaluations], pa.int64()))
-        stored = pc.sum(pc.is_valid(table.column("reward"))).as_py() or 0
-        self.metrics.add("evaluations_stored_total", len(evaluations))
-        self.metrics.add("evaluations_unvalued_total", len(evaluations) - stored)
-        return table
-
-    def recover(self, since_ns: int) -> None:
-        """After a restart: the evaluation events received since ``since_ns`` wait again (those
-        stored already are deduplicated: the same ids)."""
-        def query():
-            con = store.connect(self.data_dir)
-            try:
-                return con.sql("SELECT * FROM logs WHERE event_name = $e AND received_unix_nano >= $t",
-                               params={"e": EVENT, "t": since_ns}).to_arrow_table()
-            finally:
-                con.close()
-
-        try:
-            table = store.retry_vanished(query)
-        except Exception:
-            log.exception("could not read back recent evaluation events; those still waiting for their span "
-                          "are not rewards until sent again")
-            return
-        evaluations, _ = from_logs(table.select([f.name for f in store.LOG_SCHEMA]).cast(store.LOG_SCHEMA))
-        ready, unknown = self._match(evaluations, [])
-        self.ready += ready           # written at the next flush, or dropped there as stored already
-        self.pending += unknown
-
-
-# --- the request path: one value per key ------------------------------------------------------------
-
-_MISSING = object()
-
-
-class Book:
-    """The conflict rule (module docstring, 4) on the request path: an evaluation whose key holds
-    another value (accepted by this process, or in the store) is taken out of its logs request
-    before the WAL. Callers hold :attr:`lock` from :meth:`conflicts` to :meth:`remember`."""
-
-    def __init__(self, data_dir, label_values: dict[str, float] | None, max_keys: int):
-        self.data_dir = data_dir
-        self.label_values = label_values
-        self.max_keys = max_keys
-        self._accepted: collections.OrderedDict[tuple[str, str], float | None] = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def conflicts(self, table: pa.Table, secret: bytes) -> tuple[set[str], dict, str | None]:
-        """(the record ids to take out, {reward ids: value} of the others, a message naming the first)."""
-        from lightspan.collector.api import stored_rewards
-
-        evaluations, _ = from_logs(table)
-        if not evaluations:
-            return set(), {}, None
-        keyed = [(tuple(x.hex() for x in ids(secret, ev)), value_of(ev, self.label_values), ev) for ev in evaluations]
-        known = {k: self._accepted[k] for k, _, _ in keyed if k in self._accepted}
-        missing = sorted({k for k, _, _ in keyed if k not in known})
-        if missing:
-            known.update(stored_rewards(self.data_dir, missing))
-        out, accepted, first = set(), {}, None
-        for key, value, ev in keyed:
-            stored = known.get(key, accepted.get(key, _MISSING))
-            if stored is not _MISSING and stored != value:
-                out.add(ev.record_id)
-                first = first or (f"evaluation {ev.name!r} by {ev.emitter or 'an unnamed service'!r} of "
-                                  f"{'/'.join(p for p in ev.key.split(chr(0)) if p)!r} is stored as {stored!r}, not "
-                                  f"{value!r}: a stored reward is never changed")
-            else:
-                accepted.setdefault(key, value)
-        return out, accepted, first
-
-    def remember(self, accepted: dict) -> None:
-        self._accepted.update(accepted)
-        while len(self._accepted) > self.max_keys:
-            self._accepted.popitem(last=False)
-
-
-def drop_records(request: ExportLogsServiceRequest, table: pa.Table, record_ids: set[str]) -> tuple[pa.Table, int]:
-    """Take the records whose id is in ``record_ids`` out of ``request`` (in place) and ``table``."""
-    dropped = 0
-    for resource_logs in request.resource_logs:
-        digest = otlp_logs.resource_digest(resource_logs)
-        for scope_logs in resource_logs.scope_logs:
-            keep = [r for r in scope_logs.log_records
-                    if otlp_logs.record_id(digest, scope_logs.scope.name, r) not in record_ids]
-            dropped += len(scope_logs.log_records) - len(keep)
-            del scope_logs.log_records[:]
-            scope_logs.log_records.extend(keep)
-    keep = pc.invert(pc.is_in(table.column("record_id"), pa.array(sorted(record_ids), pa.string())))
-    return table.filter(keep), dropped
-
-
-# --- out: lightspan's rewards as evaluation events ----------------------------------------------------
-
-def rewards_of(request: ExportTraceServiceRequest, data_dir) -> list[dict]:
-    """The rewards of the API's reward spans in ``request`` as :func:`event_records` takes them, each
-    with the trace id of the call it scores when the store holds that call."""
-    out = []
-    for rs in request.resource_spans:
-        for ss in rs.scope_spans:
-            for span in ss.spans:
-                attrs = {kv.key: otlp_logs._py(kv.value) for kv in span.attributes}
-                out.append({"name": attrs.get(sc.REWARD_NAME), "value": attrs.get(sc.REWARD),
-                            "comment": attrs.get(sc.REWARD_COMMENT), "source": attrs.get(sc.REWARD_SOURCE),
-                            "rollout_id": attrs.get(sc.ROLLOUT_ID), "time_unix_nano": span.end_time_unix_nano,
-                            "span_id": attrs.get(sc.REWARD_CALL_SPAN_ID)})
-    calls = sorted({r["span_id"] for r in out if r["span_id"]})
-    if calls:
-        def query():
-            con = store.connect(data_dir)
-            try:
-                return dict(con.execute("SELECT span_id, any_value(trace_id) FROM spans WHERE span_id IN "
-                                        "(SELECT unnest($s::VARCHAR[])) GROUP BY 1", {"s": calls}).fetchall())
-            finally:
-                con.close()
-
-        traces = store.retry_vanished(query)
-        for reward in out:
-            reward["trace_id"] = traces.get(reward["span_id"])
-    return out
-
-
-def event_records(rewards: list[dict], service_name: str = "lightspan-collector") -> ExportLogsServiceRequest:
-    """``gen_ai.evaluation.result`` log records of lightspan's own rewards (a judge's, a person's), so
-    other tools show them: ``rewards`` are dicts with ``name``, ``value``, ``comment``, ``source``,
-    ``rollout_id``, ``time_unix_nano`` and, to parent the event to the scored call, ``trace_id`` and
-    ``span_id`` (hex)."""
-    request = ExportLogsServiceRequest()
-    resource_logs = request.resource_logs.add()
-    resource_logs.resource.attributes.add(key=sc.SERVICE_NAME, value=AnyValue(string_value=service_name))
-    scope_logs = resource_logs.scope_logs.add()
-    scope_logs.scope.name = REWARD_SCOPE
-    for reward in rewards:
-        record = scope_logs.log_records.add(event_name=EVENT, time_unix_nano=int(reward.get("time_unix_nano") or 0),
-                                            observed_time_unix_nano=time.time_ns(), severity_number=9)
-        if reward.get("trace_id") and reward.get("span_id"):
-            record.trace_id = bytes.fromhex(reward["trace_id"])
-            record.span_id = bytes.fromhex(reward["span_id"])
-        for key, value in ((sc.GEN_AI_EVALUATION_NAME, reward.get("name") or "reward"),
-                           (sc.GEN_AI_EVALUATION_SCORE_VALUE, reward.get("value")),
-                           (sc.GEN_AI_EVALUATION_EXPLANATION, reward.get("comment")),
-                           (sc.REWARD_SOURCE, reward.get("source")), (sc.ROLLOUT_ID, reward.get("rollout_id"))):
-            _set(record, key, float(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
-                 else value)
+            add_attribute(span, key, value)
     return request

@@ -13,7 +13,7 @@ export ─ ack ─ offer → bounded queue (``queue_bytes``) → one sender thre
   permanent: dropped and counted.
 - **What goes out** is what was acknowledged, as OTLP/HTTP protobuf, except the spans of the
   collector's reward scope: lightspan's own rewards (a judge's, a person's, an evaluator's) go out as
-  ``gen_ai.evaluation.result`` log records instead (:func:`~lightspan.collector.evaluations.event_records`),
+  ``gen_ai.evaluation.result`` log records instead (:func:`~lightspan.collector.evaluation_requests.event_records`),
   which other tools show beside the spans they score.
 - **Stop** sends what is queued for at most ``drain_s``, then drops the rest, counted.
 """

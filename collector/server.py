@@ -28,11 +28,10 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 from lightspan import store
 from lightspan.core import web
-from lightspan.collector import evaluations, forward, httpd, jsonlog, reward_integrity, sqlpool
+from lightspan.collector import evaluation_requests, evaluations, forward, httpd, jsonlog, reward_integrity, sqlpool
 from lightspan.collector.api import RewardBook
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.grpcd import (EXPORT_METHOD, LOGS_EXPORT_METHOD, RETRY_INFO_KEY, GrpcReceiver,
@@ -63,7 +62,7 @@ class Collector:
         self.metrics = Metrics()
         self.rewards = RewardBook(self.data_dir, config.dedup_max_keys)
         # one value per evaluation: a logs request's evaluation events are checked before the WAL
-        self.evaluation_book = evaluations.Book(self.data_dir, config.evaluation_label_values, config.dedup_max_keys)
+        self.evaluation_book = evaluation_requests.Book(self.data_dir, config.evaluation_label_values, config.dedup_max_keys)
         self.reward_key = b""        # keys the ids of posted rewards (reward_integrity.load_key), set by start()
         self._state_lock = threading.Lock()
         self._state = "new"           # new → running → stopped (→ running again)
@@ -225,7 +224,7 @@ class Collector:
             if book:
                 out, keys, why = book.conflicts(data, self.reward_key)
                 if out:      # another value for a stored evaluation: taken out before the WAL
-                    data, dropped = evaluations.drop_records(request, data, out)
+                    data, dropped = evaluation_requests.drop_records(request, data, out)
                     payload = LOGS_TAG + request.SerializeToString()
                     accepted, size, rejected = data.num_rows, data.nbytes, rejected + dropped
                     first_error = first_error or why
@@ -263,8 +262,8 @@ class Collector:
         elif not own:
             self.forwarder.offer("traces", payload)       # no span of the reward scope: drop_reserved
         else:
-            self.forwarder.offer("logs", evaluations.event_records(
-                evaluations.rewards_of(request, self.data_dir)).SerializeToString())
+            self.forwarder.offer("logs", evaluation_requests.event_records(
+                evaluation_requests.rewards_of(request, self.data_dir)).SerializeToString())
 
     def refuse(self, outcome: Outcome, message: str, signal: str = "traces") -> ExportResult:
         """Count a refused request and describe it (transports use this for their own checks)."""

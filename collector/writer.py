@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 
 from lightspan import store
 from lightspan.collector import compact as compaction
-from lightspan.collector import dedup, evaluations, reward_integrity
+from lightspan.collector import dedup, evaluation_writer, reward_integrity
 from lightspan.collector.config import CollectorConfig
 from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import count_spans, flatten
@@ -107,7 +107,7 @@ class Writer:
         self._pending: tuple[list, list[int]] | None = None  # what a failed flush left behind
         self.accepting = False
         self.wal: WAL | None = None
-        self.evaluations: evaluations.Rewards | None = None   # made by open()
+        self.evaluations: evaluation_writer.Rewards | None = None   # made by open()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         # per partitioned table: the keys written recently (under _flush_lock)
@@ -132,10 +132,10 @@ class Writer:
         writable(self.wal_dir, "wal_dir" if self.config.wal_dir else "data_dir")
         self.wal = WAL(self.wal_dir)
         self._seed_recent()
-        # evaluation events become rewards as they are flushed (collector/evaluations.py); those that
+        # evaluation events become rewards as they are flushed (collector/evaluation_writer.py); those that
         # waited for their span when the last run ended wait again
         wait_s = min(self.config.evaluation_wait_s, self.config.dedup_window_s)
-        self.evaluations = evaluations.Rewards(self.data_dir, reward_integrity.load_key(self.data_dir),
+        self.evaluations = evaluation_writer.Rewards(self.data_dir, reward_integrity.load_key(self.data_dir),
                                                self.config.evaluation_label_values, wait_s, self.metrics)
         self.evaluations.recover(time.time_ns() - int(wait_s * 1e9))
         self._replay()

@@ -275,9 +275,9 @@ def test_wal_replay_and_a_crash_while_waiting(collector_factory, data_dir, tmp_p
 
 
 def test_lightspans_rewards_as_evaluation_events():
-    from lightspan.collector import evaluations, otlp_logs
+    from lightspan.collector import evaluation_requests, evaluations, otlp_logs
 
-    request = evaluations.event_records([
+    request = evaluation_requests.event_records([
         {"name": "judge", "value": 0.75, "comment": "solved", "source": "judge", "rollout_id": "r-1",
          "time_unix_nano": 1_800_000_000 * 10**9, "trace_id": "ab" * 16, "span_id": "cd" * 8},
         {"name": "human", "value": 1, "source": "human", "rollout_id": "r-2", "time_unix_nano": 1}])
