@@ -70,7 +70,7 @@ EXAMPLES = {
     "search_r1": Example(
         "examples/search_r1/agent.py", "examples/search_r1",
         ("--disabled-instrumentations", "langchain", "--steps", "30", *_GRPO, "--max-model-len", "2048",
-         "--val-limit", "48", "--rollout-timeout-s", "1200", "--cpu-budget-s", "2700", "--time-budget-s", "840"),
+         "--val-limit", "48", "--rollout-timeout-s", "1200", "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
         env_map="QUESTION=input.question,GOLDEN_ANSWERS=input.golden_answers", service="retriever",
         what="openai client, BM25 search service (Search-R1 tags)"),
     "sandbox": Example(
