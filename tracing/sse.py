@@ -25,7 +25,12 @@ random chunks.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
+
+_DATA = itertools.repeat("data: ")           # (an endless argument for map: shared by every call)
+_AFTER_DATA = operator.itemgetter(slice(6, None))
 
 
 class SSEParser:
@@ -82,6 +87,19 @@ class SSEParser:
         try:
             lines = block.decode("utf-8").split("\n")
         except UnicodeDecodeError:
+            return self._general(block, None)
+        # the usual block (an OpenAI-style stream as it is sent): per event, one ``data: …`` line and
+        # a blank one, no event, id or retry set or pending; its events read in C, as the loop reads them
+        if (len(lines) % 2 == 0 and not any(lines[1::2]) and all(map(str.startswith, lines[::2], _DATA))
+                and not self._data and self._event is None and self._id is None and self._retry is None):
+            data = map(_AFTER_DATA, lines[::2])
+            make = self._make
+            return list(data) if make is None else [make(None, d, None, None) for d in data]
+        return self._general(block, lines)
+
+    def _general(self, block: bytes, lines: list | None) -> list:
+        """:meth:`_lines`, line by line (``lines``: the block's, None when it is not UTF-8)."""
+        if lines is None:
             lines = []
             for raw in block.split(b"\n"):  # the lines before the bad one still count
                 try:

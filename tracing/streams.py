@@ -128,7 +128,13 @@ class ConvertedDecoder(CapturedDecoder):
             if data.startswith("{"):
                 # (a converted stream's chunks are read by its capture's ``events``: without output
                 # messages to gather, ``read`` would only decode them)
-                chunk_json = loads(data) if read is None else read(call, data)
+                if read is None:
+                    try:   # (loads, inlined: this runs per token)
+                        chunk_json = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        chunk_json = loads(data)
+                else:
+                    chunk_json = read(call, data)
                 if type(chunk_json) is dict:
                     out += starmap(make, cap.events(chunk_json))
             elif data.startswith("[DONE]"):

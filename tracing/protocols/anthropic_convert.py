@@ -29,6 +29,7 @@ Anthropic one of it, as vLLM's route does, for a gateway).
 from __future__ import annotations
 
 import json
+import operator
 import time
 import uuid
 
@@ -262,6 +263,10 @@ def message_of(chat: dict, content: list, reason: str | None, sequence: str | No
     return out
 
 
+_DELTA_TEXT = {kind: operator.itemgetter(field)
+               for kind, field in (("text", "text"), ("thinking", "thinking"), ("tool_use", "partial_json"))}
+
+
 class MessageStream:
     """Chat completion chunks in, Anthropic stream events out: ``(event name, data dict)`` pairs,
     as vLLM's ``message_stream_converter`` writes them (``exclude_unset``)."""
@@ -377,11 +382,11 @@ class MessageStream:
     def content(self) -> list[tuple[str, dict, str]]:
         """The message's blocks so far: (type, the block as started, the text of its deltas: a text
         block's text, a thinking block's thinking, a tool_use block's input as JSON text)."""
-        key = {"text": "text", "thinking": "thinking", "tool_use": "partial_json"}
         out = []
         for block, deltas in self.blocks:
-            field = key.get(block["type"])
-            out.append((block["type"], block, "".join(d.get(field) or "" for d in deltas) if field else ""))
+            field = _DELTA_TEXT.get(block["type"])
+            # (each delta of a block has its field, never empty: _delta's callers; read in C)
+            out.append((block["type"], block, "".join(map(field, deltas)) if field else ""))
         return out
 
     def done(self) -> list[tuple[str, dict]]:

@@ -257,15 +257,15 @@ class Capture:
         it has started (no reasoning, tool calls, finish reason or prompt ids; nothing hidden), read
         in one pass (it runs per token): its text; None, reading nothing, for any other (the caller
         then takes its general path)."""
-        choices = chunk.get("choices")
-        if type(choices) is not list or len(choices) != 1:
+        try:   # (subscripts: of JSON data, only a list of one dict whose delta is a dict gets past them)
+            (choice,) = chunk["choices"]
+            delta = choice["delta"]
+            text = delta["content"]
+        except (KeyError, TypeError, ValueError):
             return None
-        choice = choices[0]
-        delta = choice.get("delta") if type(choice) is dict else None
-        text = delta.get("content") if type(delta) is dict else None
-        if not (text and type(text) is str and delta.get("reasoning") is None and not delta.get("tool_calls")
-                and choice.get("finish_reason") is None and not choice.get("index")
-                and chunk.get("prompt_token_ids") is None):
+        if (type(text) is not str or not text or choice.get("finish_reason") is not None or choice.get("index")
+                or delta.get("reasoning") is not None or delta.get("tool_calls")
+                or chunk.get("prompt_token_ids") is not None):
             return None
         c = self.choices.get(0)
         if c is None or not self._chat:
@@ -276,7 +276,11 @@ class Capture:
             c.ids += ids
         lp = choice.get("logprobs")
         if lp is not None:
-            _chat_logprobs(c, lp)
+            content = lp.get("content")
+            if content and len(content) == 1:   # (_chat_logprobs of one token, inlined)
+                c.logprobs.append(content[0].get("logprob"))
+            else:
+                _chat_logprobs(c, lp)
         return text
 
     def status(self) -> str:
