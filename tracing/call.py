@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from itertools import compress
+from operator import not_
 from typing import NamedTuple
 
 from lightspan.tracing import messages, semconv, spans
@@ -180,9 +182,8 @@ class Call:
                     attrs[semconv.POLICY_NAME] = policy
                 if self.adopted:   # the library's span: what it does not record itself
                     attrs.update(self.start(adopted=True, opt_in=now.opt_in))
-                    for key, value in cap.genai_attributes().items():
-                        if key not in _LIBRARY_RECORDS:
-                            attrs[key] = value
+                    genai = cap.genai_attributes()   # (filtered in C, in order)
+                    attrs.update(compress(genai.items(), map(not_, map(_LIBRARY_RECORDS.__contains__, genai))))
                 elif self.owned:
                     attrs.update(cap.genai_attributes())
                 if self.content and (self.owned or self.adopted):

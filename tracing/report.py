@@ -39,6 +39,10 @@ class Report:
 
     def count(self, status: str, reason: str | None = None, url: str | None = None) -> None:
         """One call with this outcome; the first time a reason comes up it is logged."""
+        if reason is None and not url:   # (a captured call: nothing to log)
+            with self.lock:
+                self.counts[status] += 1
+            return
         key = f"{status} {url}" if url else status
         with self.lock:
             self.counts[status] += 1

@@ -36,17 +36,21 @@ def common_chat(body: dict, capture: bool = False) -> dict | None:
     ``capture``: with the capture fields (``with_capture``'s), as it is sent."""
     if not _COMMON.issuperset(body):
         return None
-    model, max_tokens, turns = body.get("model"), body.get("max_tokens"), body.get("messages")
+    try:   # (subscripts: a request without one of these goes the general way)
+        model, max_tokens, turns = body["model"], body["max_tokens"], body["messages"]
+    except KeyError:
+        return None
     if (type(model) is not str or not model or type(max_tokens) is not int or max_tokens <= 0 or type(turns) is not list
             or not turns):
         return None
     messages = []
-    system = body.get("system")
-    if system is not None:
-        if type(system) is not str:
-            return None
-        if system:
-            messages.append({"role": "system", "content": system})   # (as it is: only blocks lose a billing header)
+    if "system" in body:   # (membership tests, not a ``get`` per field: most requests have few of them)
+        system = body["system"]
+        if system is not None:
+            if type(system) is not str:
+                return None
+            if system:
+                messages.append({"role": "system", "content": system})   # (as it is: only blocks lose a billing header)
     for turn in turns:
         if type(turn) is not dict or len(turn) != 2:
             return None
@@ -55,23 +59,26 @@ def common_chat(body: dict, capture: bool = False) -> dict | None:
             return None
         messages.append({"role": role, "content": content})
     chat = {"model": model, "messages": messages, "max_tokens": max_tokens, "max_completion_tokens": max_tokens}
-    for ours, theirs in _SAMPLING:
-        value = body.get(theirs)
-        if value is not None:
-            if ours == "stop":
-                if type(value) is not list or any(type(v) is not str for v in value):
+    if len(body) > 3 + ("system" in body):   # a sampling field or ``stream``
+        for ours, theirs in _SAMPLING:
+            if theirs in body:
+                value = body[theirs]
+                if value is None:
+                    continue
+                if ours == "stop":
+                    if type(value) is not list or any(type(v) is not str for v in value):
+                        return None
+                elif type(value) not in _NUMBER:
                     return None
-            elif type(value) not in _NUMBER:
+                chat[ours] = value
+        stream = body.get("stream")
+        if stream:
+            if stream is not True:
                 return None
-            chat[ours] = value
-    stream = body.get("stream")
-    if stream:
-        if stream is not True:
+            chat["stream"] = True
+            chat["stream_options"] = dict(_STREAM_OPTIONS)
+        elif stream is not None and stream is not False:
             return None
-        chat["stream"] = True
-        chat["stream_options"] = dict(_STREAM_OPTIONS)
-    elif stream is not None and stream is not False:
-        return None
     if capture:
         chat["return_token_ids"] = chat["logprobs"] = True
     return chat
@@ -179,10 +186,12 @@ class SimpleCapture(AnthropicCapture):
 def _plain(answer: dict) -> tuple[dict, str | None] | None:
     """(choice, text) of a plain chat completion (one choice, index 0, its message text or None,
     no reasoning, no tool calls), else None."""
-    choices = answer.get("choices")
-    choice = choices[0] if type(choices) is list and len(choices) == 1 else None
-    part = choice.get("message") if type(choice) is dict else None
-    if not part or type(part) is not dict or choice.get("index") or part.get("reasoning") or part.get("tool_calls"):
+    try:   # (subscripts: of JSON data, only a list of one dict whose message is a dict gets past them)
+        (choice,) = answer["choices"]
+        part = choice["message"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if type(part) is not dict or not part or choice.get("index") or part.get("reasoning") or part.get("tool_calls"):
         return None
     text = part.get("content")
     return (choice, text) if text is None or type(text) is str else None

@@ -195,16 +195,16 @@ def usage(chat_usage) -> dict:
     """Anthropic usage from chat usage: ``input_tokens`` leaves out the cached prompt tokens. The two
     cache counts are always there, 0 when unused, as Anthropic's API sends them (agents add them up as
     ints; vLLM's own ``/v1/messages`` leaves them out, which such an agent cannot survive)."""
-    out = {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
     if not chat_usage:
-        return out
-    out["output_tokens"] = chat_usage.get("completion_tokens") or 0
-    prompt = chat_usage.get("prompt_tokens") or 0
-    details = chat_usage.get("prompt_tokens_details") or {}
-    out["cache_read_input_tokens"] = details.get("cached_tokens") or 0
-    out["cache_creation_input_tokens"] = details.get("created_cache_tokens") or 0
-    out["input_tokens"] = max(0, prompt - out["cache_read_input_tokens"] - out["cache_creation_input_tokens"])
-    return out
+        return {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
+    details = chat_usage.get("prompt_tokens_details")
+    read = created = 0
+    if details:
+        read = details.get("cached_tokens") or 0
+        created = details.get("created_cache_tokens") or 0
+    return {"input_tokens": max(0, (chat_usage.get("prompt_tokens") or 0) - read - created),
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read,
+            "output_tokens": chat_usage.get("completion_tokens") or 0}
 
 
 def stop_reason(finish_reason, stop, tool_used: bool, tool_complete: bool) -> tuple[str | None, str | None]:
@@ -257,9 +257,11 @@ def message_of(chat: dict, content: list, reason: str | None, sequence: str | No
     if sequence is not None:
         out["stop_sequence"] = sequence
     out["usage"] = usage(chat.get("usage"))
-    for key in ("kv_transfer_params", "ec_transfer_params"):
-        if chat.get(key) is not None:
-            out[key] = chat[key]
+    kv, ec = chat.get("kv_transfer_params"), chat.get("ec_transfer_params")
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    if ec is not None:
+        out["ec_transfer_params"] = ec
     return out
 
 
