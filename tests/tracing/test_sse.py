@@ -79,6 +79,34 @@ def test_without_an_event_maker_the_events_data_alone(chunks):
     assert (out[:len(data)] if error else out) == data   # (ours stops at the bytes that are not UTF-8)
 
 
+@st.composite
+def _data_streams(draw) -> list[bytes]:
+    """Mostly the usual events (``data: …`` and a blank line, as vLLM sends them), now and then a
+    line that sets a field or opens an event of two lines; each event whole in its chunk, or cut."""
+    events = draw(st.lists(st.one_of(
+        _VALUES.map(lambda v: f"data: {v}\n\n"), _VALUES.map(lambda v: f"data:{v}\n\n"),
+        st.sampled_from(["id: 7\n", "event: x\n", "retry: 5\n", ": keep\n", "data: a\n", "\n", "data: b\r\n\r\n"])),
+        max_size=30))
+    raw = "".join(events).encode("utf-8")
+    if draw(st.booleans()):   # one chunk per event, as a server flushes them
+        return [e.encode("utf-8") for e in events]
+    cuts = sorted(draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+    bounds = [0, *cuts, len(raw)]
+    return [raw[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_data_streams())
+def test_blocks_of_data_lines_read_at_once_as_line_by_line(chunks):
+    """(The parser reads a block of ``data: …`` lines and blank ones in C: the same events, with and
+    without an event maker, whatever came before.)"""
+    assert _ours(chunks) == _theirs(chunks)
+    parser, out = SSEParser(None), []
+    for chunk in chunks:
+        out += parser.feed(chunk)
+    assert out == [d for _event, d, _id, _retry in _ours(chunks)[0]]
+
+
 def test_vllm_stream_with_crlf_cut_between_chunks_and_a_lasting_id():
     body = (b'data: {"a": 1}\r\n\r\nid: 7\r\ndata: x\r\ndata:  y\r\n\r\n: keep-alive\r\n\r\n'
             b"event: done\rdata: [DONE]\r\r")
