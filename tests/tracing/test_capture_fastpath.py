@@ -154,6 +154,67 @@ def test_dict_and_object_paths_agree(operation, payloads):
         assert logprobs == [[-1.25, -2.5]]
 
 
+def _token_chunk(rng: random.Random) -> dict:
+    """A random chat stream chunk: the usual one text token, or one of another shape."""
+    choice = {"index": 0, "delta": {"content": rng.choice(["a", "bc", ""])}, "finish_reason": None,
+              "token_ids": [rng.randrange(100)], "logprobs": {"content": [{"token": "a", "logprob": -rng.random()}]}}
+    chunk = {"id": "c", "object": "chat.completion.chunk", "model": "policy", "choices": [choice]}
+    kind = rng.randrange(16)
+    if kind == 0:
+        choice["delta"]["reasoning"] = rng.choice([None, "hm"])
+    elif kind == 1:
+        choice["delta"]["tool_calls"] = rng.choice([[], [{"index": 0, "function": {"arguments": "{"}}]])
+    elif kind == 2:
+        choice["finish_reason"] = rng.choice(["length", None])
+    elif kind == 3:
+        choice["index"] = rng.choice([0, 1])
+    elif kind == 4:
+        chunk["prompt_token_ids"] = rng.choice([None, [1, 2]])
+    elif kind == 5:
+        choice["token_ids"] = rng.choice([None, [], [1, 2]])
+    elif kind == 6:
+        choice["logprobs"] = rng.choice([None, {"content": []}, {"content": None}, {"content": [{"token": "a"}]},
+                                         {"content": [{"logprob": -1.0}, {"logprob": -2.0}]}, {}])
+    elif kind == 7:
+        choice["delta"] = rng.choice([{}, {"role": "assistant"}, {"content": None}, {"content": "x", "role": None}])
+    elif kind == 8:
+        chunk["choices"] = rng.choice([[], [choice, {**choice, "index": 1}]])
+    return chunk
+
+
+def test_a_stream_token_is_read_as_add_json_reads_it():
+    """``Capture.text_token`` (a converted stream's usual chunk, read in one pass) leaves the capture as
+    ``add_json`` does and hands back the token's text; any other chunk it leaves unread (None)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        fast, general = Capture("chat", caller_ids=False, caller_logprobs=False), Capture(
+            "chat", caller_ids=False, caller_logprobs=False)
+        first = {"id": "c", "model": "policy", "prompt_token_ids": [1, 2, 3],
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        fast.add_json(first)
+        general.add_json(first)
+        for _ in range(6):
+            chunk = _token_chunk(rng)
+            text = fast.text_token(chunk)
+            if text is None:
+                fast.add_json(chunk)
+            else:
+                assert text == chunk["choices"][0]["delta"]["content"]
+            general.add_json(chunk)
+            assert fast.fed == general.fed
+            assert {i: (c.ids, c.logprobs, c.finish_reason) for i, c in fast.choices.items()} == {
+                i: (c.ids, c.logprobs, c.finish_reason) for i, c in general.choices.items()}
+        assert _outcome(fast.attributes, 3) == _outcome(general.attributes, 3)   # (a None logprob raises in both)
+        assert fast.genai_attributes() == general.genai_attributes()
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return type(e)
+
+
 def _responses_answers():
     """vLLM's Responses answers (``enable_response_messages``, output-text logprobs): a text reply cut
     at its length limit, and a completed reply with text and a function call."""

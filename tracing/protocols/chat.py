@@ -263,9 +263,10 @@ class Capture:
             text = delta["content"]
         except (KeyError, TypeError, ValueError):
             return None
+        # (a delta of one field is the text alone; most chunks carry no prompt ids field)
         if (type(text) is not str or not text or choice.get("finish_reason") is not None or choice.get("index")
-                or delta.get("reasoning") is not None or delta.get("tool_calls")
-                or chunk.get("prompt_token_ids") is not None):
+                or (len(delta) != 1 and (delta.get("reasoning") is not None or delta.get("tool_calls")))
+                or ("prompt_token_ids" in chunk and chunk["prompt_token_ids"] is not None)):
             return None
         c = self.choices.get(0)
         if c is None or not self._chat:
@@ -276,10 +277,10 @@ class Capture:
             c.ids += ids
         lp = choice.get("logprobs")
         if lp is not None:
-            content = lp.get("content")
-            if content and len(content) == 1:   # (_chat_logprobs of one token, inlined)
-                c.logprobs.append(content[0].get("logprob"))
-            else:
+            try:   # (_chat_logprobs of one token, inlined; any other shape goes there)
+                (entry,) = lp["content"]
+                c.logprobs.append(entry["logprob"])
+            except (KeyError, TypeError, ValueError):
                 _chat_logprobs(c, lp)
         return text
 
