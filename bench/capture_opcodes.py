@@ -13,8 +13,9 @@ arm: ``--warmup`` calls, the span processor flushed, then one call counted with 
 the garbage collector off. Printed: the counts, each arm's excess over ``without``, lightspan's
 excess over the floor's (``span``) and their ratio. A streamed floor can count below ``without``
 (its decoder splits the bytes itself; the client's own parses every line in Python), so for a stream
-lightspan − floor is the figure to read. ``--functions N``: the N functions of this repository
-(lightspan's and the floor's; not the libraries') that execute the most opcodes, per arm.
+lightspan − floor is the figure to read. ``--functions N``: the N functions of lightspan's (the package
+imported: a tree first on ``PYTHONPATH`` too) and the benchmark's, not the libraries', that execute
+the most opcodes, per arm.
 """
 
 from __future__ import annotations
@@ -106,8 +107,21 @@ def measure(args) -> dict:
     return out
 
 
-def _ours(path: str) -> bool:
-    return path.startswith(ROOT) and "/.venv/" not in path and "site-packages" not in path
+def _roots() -> tuple:
+    """This repository, and the ``lightspan`` package imported (a tree first on ``PYTHONPATH``)."""
+    import lightspan.tracing
+
+    return ROOT, str(Path(lightspan.tracing.__file__).parent.parent)
+
+
+def _ours(path: str, roots: tuple):
+    """``path`` relative to the root of ours that holds it (not the libraries'), else None."""
+    if "/.venv/" in path or "site-packages" in path:
+        return None
+    for root in roots:
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    return None
 
 
 def main() -> None:
@@ -136,10 +150,12 @@ def main() -> None:
         summary[mode]["ratio"] = ratio
         if args.functions:
             for name in ("span", "lightspan"):
-                per = {k: v for k, v in arms[name]["functions"].items() if _ours(k[0])}
-                print(f"  {name}: its {sum(per.values()):,d} opcodes in this repository's code, the most first:")
+                roots = _roots()
+                per = {(_ours(path, roots), line, fn): v for (path, line, fn), v in arms[name]["functions"].items()
+                       if _ours(path, roots)}
+                print(f"  {name}: its {sum(per.values()):,d} opcodes in lightspan's and the benchmark's code, the most first:")
                 for (path, line, fn), n in sorted(per.items(), key=lambda kv: -kv[1])[:args.functions]:
-                    print(f"    {n:6,d}  {fn} ({Path(path).relative_to(ROOT)}:{line})")
+                    print(f"    {n:6,d}  {fn} ({path}:{line})")
     print(json.dumps(summary))
 
 
