@@ -64,7 +64,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.trace import Status, StatusCode
 from wrapt import register_post_import_hook
 
-from lightspan.tracing import protocols, semconv, spans, spool, urls
+from lightspan.tracing import protocols, semconv, spans, spool, straight, urls
 from lightspan.tracing.calls import Call, prepare
 from lightspan.tracing.clients import CLIENTS, Client
 from lightspan.tracing.protocols.base import loads
@@ -95,6 +95,11 @@ def read(call: Call, raw):
     """Decode a captured call's JSON (a body, or one stream event) and read it into ``call``; returns
     what the client gets (for a converted answer: the Response or Anthropic message made of it)."""
     data = loads(raw)
+    if type(call) is straight.Straight:   # (the straight line: the general path's call if it cannot read it)
+        message = call.answer(data)
+        if message is not None:
+            return message
+        call = call.general()
     if type(data) is dict:
         try:
             if call.output is not None:
@@ -170,6 +175,37 @@ def _finish(resp, call: Call, parsed=None):
     return raw if raw is not None else resp
 
 
+def _straight_post(client: Client, wrapped, instance, args, kwargs):
+    """``_sync_post`` of a client with a straight line for its common call (:mod:`.straight`)."""
+    line = straight.prepare(client, instance, args, kwargs)
+    if line is None:
+        return _sync_post(client, wrapped, instance, args, kwargs)
+    call, kwargs = line
+    if call.path is not None and args:
+        args = (call.path, *args[1:])
+    try:
+        token = FEEDING.set(call)
+        try:
+            if call.owned:
+                with trace.use_span(call.span, end_on_exit=False):
+                    resp = wrapped(*args, **kwargs)
+            else:
+                resp = wrapped(*args, **kwargs)
+        finally:
+            FEEDING.reset(token)
+            call.settle()
+    except BaseException as exc:
+        _failed(call.general(), exc)
+        raise
+    if call.call is not None or not call.done:   # the general path reads or has read it
+        return _answered(resp, call.general())
+    if call.values is not None:   # (read, not recorded yet: a span of our own)
+        call.record()
+    if call.owned:
+        call.span.end()
+    return resp
+
+
 def _sync_post(client: Client, wrapped, instance, args, kwargs):
     call, kwargs = prepare(client, instance, args, kwargs)
     if call is None:
@@ -193,6 +229,11 @@ def _sync_post(client: Client, wrapped, instance, args, kwargs):
         raise
     if call.cap is None:
         return call.passed(resp)
+    return _answered(resp, call)
+
+
+def _answered(resp, call: Call):
+    """After a captured call's ``post`` returned: parse a raw response, record (``_finish``)."""
     parsed = None
     if _parse(resp, call):
         token = FEEDING.set(call)
@@ -246,7 +287,8 @@ def _wrap_library(client: Client):
     def hook(module) -> None:
         if not _ACTIVE["on"]:
             return
-        wrap(f"{client.name}._base_client", "SyncAPIClient.post", functools.partial(_sync_post, client))
+        post = _straight_post if client.name == straight.PROTOCOL.client else _sync_post
+        wrap(f"{client.name}._base_client", "SyncAPIClient.post", functools.partial(post, client))
         wrap(f"{client.name}._base_client", "AsyncAPIClient.post", functools.partial(_async_post, client))
         install_json_hooks(_response_json_hook)
     return hook

@@ -12,7 +12,7 @@ import httpx2
 import orjson
 import pytest
 
-from lightspan.tracing import semconv
+from lightspan.tracing import semconv, straight
 from lightspan.tracing.protocols import anthropic_common as common
 from lightspan.tracing.protocols import anthropic_messages as am
 from lightspan.tracing.protocols.anthropic_convert import to_chat
@@ -242,7 +242,10 @@ def test_the_stored_span_is_the_same_through_both_paths(monkeypatch, fixed_signa
     original = common.common_chat
     for fast in (True, False):   # (both the instrumentor's straight line and SimpleCapture, or neither)
         monkeypatch.setattr(common, "common_chat", original if fast else (lambda body, capture=False: None))
-        monkeypatch.setattr(am.SimpleCapture, "message", _noting(taken, am.SimpleCapture.message))
+        monkeypatch.setattr(straight, "ON", [fast])
+        if fast:   # (the straight line's plain answers, SimpleCapture's others)
+            monkeypatch.setattr(am.SimpleCapture, "message", _noting(taken, am.SimpleCapture.message))
+            monkeypatch.setattr(straight.Straight, "answer", _noting(taken, straight.Straight.answer, answered=True))
         with _instrumented() as exporter:
             for kwargs, answer in cases:
                 client = _client(answer, chunks if stream else None)
@@ -258,10 +261,12 @@ def test_the_stored_span_is_the_same_through_both_paths(monkeypatch, fixed_signa
         assert len(taken) == len(cases)
 
 
-def _noting(taken: list, method):
+def _noting(taken: list, method, answered: bool = False):
     def message(self, completion):
-        taken.append(completion)
-        return method(self, completion)
+        out = method(self, completion)
+        if out is not None or not answered:
+            taken.append(completion)
+        return out
     return message
 
 

@@ -20,7 +20,7 @@ from lightspan.tracing.protocols.chat import CHAT, Capture, ChatOutput, _chat_lo
 
 _COMMON = frozenset({"model", "max_tokens", "messages", "system", "stream", "stop_sequences", "temperature",
                      "top_p", "top_k"})
-_SAMPLING = (("stop", "stop_sequences"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"))
+_NUMBERS = ("temperature", "top_p", "top_k")   # the sampling fields that are numbers, the same name in both
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
@@ -60,17 +60,18 @@ def common_chat(body: dict, capture: bool = False) -> dict | None:
         messages.append({"role": role, "content": content})
     chat = {"model": model, "messages": messages, "max_tokens": max_tokens, "max_completion_tokens": max_tokens}
     if len(body) > 3 + ("system" in body):   # a sampling field or ``stream``
-        for ours, theirs in _SAMPLING:
-            if theirs in body:
-                value = body[theirs]
-                if value is None:
-                    continue
-                if ours == "stop":
-                    if type(value) is not list or any(type(v) is not str for v in value):
+        value = body.get("stop_sequences")   # (each field's test written out: most requests have one or two)
+        if value is not None:
+            if type(value) is not list or any(type(v) is not str for v in value):
+                return None
+            chat["stop"] = value
+        for ours in _NUMBERS:
+            if ours in body:
+                value = body[ours]
+                if value is not None:
+                    if type(value) not in _NUMBER:
                         return None
-                elif type(value) not in _NUMBER:
-                    return None
-                chat[ours] = value
+                    chat[ours] = value
         stream = body.get("stream")
         if stream:
             if stream is not True:
