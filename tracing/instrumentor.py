@@ -177,7 +177,7 @@ def _finish(resp, call: Call, parsed=None):
 
 def _straight_post(client: Client, wrapped, instance, args, kwargs):
     """``_sync_post`` of a client with a straight line for its common call (:mod:`.straight`)."""
-    line = straight.prepare(client, instance, args, kwargs)
+    line = None if kwargs.get("stream") else straight.prepare(client, instance, args, kwargs)
     if line is None:
         return _sync_post(client, wrapped, instance, args, kwargs)
     call, kwargs = line

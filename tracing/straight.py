@@ -33,7 +33,7 @@ from lightspan.tracing.calls import _converted_path, _protocol_of, _route
 from lightspan.tracing.clients import _anthropic_prepare
 from lightspan.tracing.protocols import anthropic_messages
 from lightspan.tracing.protocols.anthropic_common import SimpleCapture, common_chat
-from lightspan.tracing.protocols.anthropic_convert import message_of, stop_reason
+from lightspan.tracing.protocols.anthropic_convert import stop_reason, usage
 from lightspan.tracing.protocols.base import REASONS
 from lightspan.tracing.report import CAPTURED, REPORT
 
@@ -123,7 +123,8 @@ def prepare(client, instance, args, kwargs):
     if (attrs and (attrs.get(_OP) or attrs.get(_LLM_TYPE)) in _LLM_OPERATIONS) or (
             spans.NESTING.active and otel_context.get_value(spans.SUPPRESS_LLM_KEY)):
         return None
-    call = Straight(client, line, line.model(chat["model"]), given, chat)
+    model = chat["model"]
+    call = Straight(client, line, line.models.get(model) or line.model(model), given, chat)
     sent = dict(options)
     sent.pop("extra_json", None)
     kwargs = {**kwargs, "body": chat, "options": sent}
@@ -202,11 +203,11 @@ class Straight:
                 return None
             packed = (semconv.encode_ids(prompt), semconv.encode_ids(ids),
                       semconv.encode_floats(list(map(_LOGPROB, content))))
+            finish = choice.get("finish_reason")
+            reason, sequence = stop_reason(finish, choice.get("stop_reason"), False, False)
+            message = _message(data, text, reason, sequence)
         except Exception:
             return None
-        finish = choice.get("finish_reason")
-        reason, sequence = stop_reason(finish, choice.get("stop_reason"), False, False)
-        message = message_of(data, [{"type": "text", "text": text}] if text else [], reason, sequence)
         self.values, self.done = (data.get("model"), packed, len(prompt), len(ids), reason or finish, text, finish,
                                   reason), True
         if self.adopted:   # the client ends its span of the call once it has read this
@@ -254,6 +255,28 @@ class Straight:
         if span.is_recording():
             span.set_attributes(attrs)
         REPORT.count(attrs[_STATUS], attrs.get(semconv.CAPTURE_REASON))
+
+
+def _message(chat: dict, text: str | None, reason: str | None, sequence: str | None) -> dict:
+    """``message_of`` of a plain answer (its ``usage`` without cached prompt tokens written out)."""
+    out = {"id": chat.get("id") or f"msg_{int(time.time() * 1000)}", "type": "message", "role": "assistant",
+           "content": [{"type": "text", "text": text or ""}], "model": chat.get("model")}
+    if reason is not None:
+        out["stop_reason"] = reason
+    if sequence is not None:
+        out["stop_sequence"] = sequence
+    u = chat.get("usage")
+    if u and not u.get("prompt_tokens_details"):
+        out["usage"] = {"input_tokens": max(0, (u.get("prompt_tokens") or 0) - 0), "cache_creation_input_tokens": 0,
+                        "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0}
+    else:
+        out["usage"] = usage(u)
+    kv, ec = chat.get("kv_transfer_params"), chat.get("ec_transfer_params")
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    if ec is not None:
+        out["ec_transfer_params"] = ec
+    return out
 
 
 def _inputs(body: dict) -> list:
