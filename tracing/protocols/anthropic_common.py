@@ -3,10 +3,11 @@
 Such a request converts in a few dict operations (:func:`common_chat`), and its plain answer is read
 and recorded in one pass each (:class:`SimpleCapture`), with what the general path
 (:class:`~.anthropic_capture.AnthropicCapture`) gives for it; any other request, and any other
-answer, goes the general way. The instrumentor's straight line for such a call
-(:func:`lightspan.tracing.calls.prepare`'s ``common`` step) starts from :func:`common_capture`.
-tests/tracing/test_anthropic_fast.py holds the paths equal; bench/README.md (sessions 13, 14) times
-them. Pure.
+answer, goes the general way. The instrumentor's fewer steps for such a call
+(:func:`lightspan.tracing.calls.prepare`'s ``common`` step) start from :func:`common_capture`; a
+non-streamed one of the sync client takes the straight line of :mod:`lightspan.tracing.straight`,
+which builds its chat body with :func:`common_chat` too. tests/tracing/test_anthropic_fast.py and
+tests/tracing/test_straight.py hold the paths equal; bench/README.md (sessions 13 to 15) times them. Pure.
 """
 
 from __future__ import annotations
