@@ -267,7 +267,7 @@ def _message(chat: dict, text: str | None, reason: str | None, sequence: str | N
         out["stop_sequence"] = sequence
     u = chat.get("usage")
     if u and not u.get("prompt_tokens_details"):
-        out["usage"] = {"input_tokens": max(0, (u.get("prompt_tokens") or 0) - 0), "cache_creation_input_tokens": 0,
+        out["usage"] = {"input_tokens": max(0, u.get("prompt_tokens") or 0), "cache_creation_input_tokens": 0,
                         "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0}
     else:
         out["usage"] = usage(u)
