@@ -49,6 +49,9 @@ class Client:
     (anthropic, on a copy of the stream)."""
     types: Callable
     """() -> its :class:`Types` (cached)."""
+    straight: bool = False
+    """Whether its sync ``post`` first offers a call to the straight line of its common plain call
+    (:mod:`lightspan.tracing.straight`; anything else goes the general way)."""
 
 
 _SENTINELS = frozenset({"NotGiven", "Omit"})
@@ -178,6 +181,6 @@ CLIENTS: dict[str, Client] = {
                      types=_openai_types),
     "anthropic": Client("anthropic", plain=_anthropic_plain, given=_anthropic_given,
                         cannot_convert=_anthropic_cannot_convert, own_spans=True, eager_stream=False,
-                        types=_anthropic_types),
+                        types=_anthropic_types, straight=True),
 }
 """The client libraries by name; each speaks the protocols whose row names it."""

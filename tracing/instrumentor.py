@@ -287,7 +287,7 @@ def _wrap_library(client: Client):
     def hook(module) -> None:
         if not _ACTIVE["on"]:
             return
-        post = _straight_post if client.name == straight.PROTOCOL.client else _sync_post
+        post = _straight_post if client.straight else _sync_post
         wrap(f"{client.name}._base_client", "SyncAPIClient.post", functools.partial(post, client))
         wrap(f"{client.name}._base_client", "AsyncAPIClient.post", functools.partial(_async_post, client))
         install_json_hooks(_response_json_hook)
