@@ -192,7 +192,7 @@ def test_a_converted_streams_output_messages_are_its_chat_chunks():
     import random
 
     from lightspan.tracing.protocols.anthropic_messages import anthropic_stream_output
-    from lightspan.tracing.protocols.chat import ChatOutput
+    from lightspan.tracing.protocols.chat_messages import ChatOutput
 
     rng = random.Random(5)
     for _ in range(200):

@@ -19,7 +19,7 @@ from lightspan.core.config import ConfigError
 from lightspan.models import CHATML_TEMPLATE, build_tokenizer
 from lightspan.store.schema import REWARD_SCOPE
 from lightspan.tracing.messages import dumps
-from lightspan.tracing.protocols.chat import ChatOutput, chat_input
+from lightspan.tracing.protocols.chat_messages import ChatOutput, chat_input
 from lightspan.trainer import sft, sft_data
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.batches import Cursor

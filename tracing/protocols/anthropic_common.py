@@ -16,7 +16,8 @@ from lightspan.tracing import semconv
 from lightspan.tracing.protocols.anthropic_capture import AnthropicCapture
 from lightspan.tracing.protocols.anthropic_convert import MessageStream, message_of, stop_reason
 from lightspan.tracing.protocols.base import temperature
-from lightspan.tracing.protocols.chat import CHAT, Capture, ChatOutput, _chat_logprobs, _Choice
+from lightspan.tracing.protocols.chat import CHAT, Capture, _chat_logprobs, _Choice
+from lightspan.tracing.protocols.chat_messages import ChatOutput
 
 
 _COMMON = frozenset({"model", "max_tokens", "messages", "system", "stream", "stop_sequences", "temperature",

@@ -19,7 +19,7 @@ from lightspan.tracing.protocols.anthropic_common import (SimpleCapture, _plain,
                                                          common_chat)
 from lightspan.tracing.protocols.anthropic_convert import to_error
 from lightspan.tracing.protocols.base import COMMON_FIELDS, Protocol, dumps, loads
-from lightspan.tracing.protocols.chat import ChatOutput
+from lightspan.tracing.protocols.chat_messages import ChatOutput
 
 
 # --- the call's messages (docs: lightspan.tracing.messages) -----------------------------------------

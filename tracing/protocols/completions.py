@@ -11,7 +11,7 @@ text its output.
 
 from __future__ import annotations
 
-from lightspan.tracing.protocols import chat
+from lightspan.tracing.protocols import chat, chat_messages
 from lightspan.tracing.protocols.base import COMMON_FIELDS, Protocol, as_sent, openai_error
 from lightspan.tracing.protocols.chat import TEXT_COMPLETION, Capture
 
@@ -19,6 +19,6 @@ FIELDS = {**COMMON_FIELDS, "logprobs": (int, "an integer"), "return_token_ids": 
 
 PROTOCOL = Protocol(
     name=TEXT_COMPLETION, client="openai", path="/completions", operation="text_completion", provider="openai",
-    capture=lambda body: Capture.for_request(body, TEXT_COMPLETION), request=chat.request, inputs=chat.chat_input,
-    output=chat.output, outputs=chat.outputs, frames=chat.frames, end=chat.end, error=openai_error,
+    capture=lambda body: Capture.for_request(body, TEXT_COMPLETION), request=chat.request, inputs=chat_messages.chat_input,
+    output=chat_messages.output, outputs=chat_messages.outputs, frames=chat.frames, end=chat.end, error=openai_error,
     upstream_error=as_sent, fields=FIELDS)
