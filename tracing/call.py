@@ -108,10 +108,7 @@ class Call:
             return
         token, start_ns = self.deferred
         self.deferred = None
-        try:
-            spans.NESTING.adopting.reset(token)
-        except ValueError:   # (a token of another context: never break the agent's call over telemetry)
-            spans.NESTING.adopting.set(None)
+        spans.NESTING.stop_adopting(token)
         if self.span is None:
             self.span, self.owned = spans.open_span(self.name, self.start(), start_time=start_ns), True
 

@@ -116,6 +116,13 @@ class Nesting(SpanProcessor):
                 return
         self._nest(span, parent_context)
 
+    def stop_adopting(self, token) -> None:
+        """The call that set ``adopting`` (``token``) returned: adopt nothing more for it."""
+        try:
+            self.adopting.reset(token)
+        except ValueError:   # (a token of another context: never break the agent's call over telemetry)
+            self.adopting.set(None)
+
     def _nest(self, span, parent_context) -> None:
         parent = trace.get_current_span(parent_context)
         if not parent.is_recording():

@@ -178,10 +178,7 @@ class Straight:
             return
         token, start_ns = self.deferred
         self.deferred = None
-        try:
-            spans.NESTING.adopting.reset(token)
-        except ValueError:
-            spans.NESTING.adopting.set(None)
+        spans.NESTING.stop_adopting(token)
         if self.span is None:
             self.span, self.owned = spans.open_span(self.model.name, self.start(), start_time=start_ns), True
 
