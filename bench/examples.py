@@ -94,6 +94,13 @@ EXAMPLES = {
         ("--agent-match", "^sql_writer$", "--val-limit", "24", "--steps", "8", "--tasks-per-step", "4",
          "--samples", "8", "--learning-rate", "3e-5", "--time-budget-s", "720"),
         env_map="", what="LangGraph writer + checker, writer trained"),
+    "scienceworld": Example(  # issue 31: long-horizon, the game's JVM per rollout, history compacted every 4 turns
+        "examples/scienceworld/agent.py", "examples/scienceworld",
+        ("--disabled-instrumentations", "langchain", "--steps", "8", "--tasks-per-step", "3", "--samples", "4",
+         "--concurrency", "12", "--lora-r", "16", "--learning-rate", "3e-4", "--max-model-len", "2048",
+         "--max-memory-gb", "5", "--entropy-floor", "0.2", "--rollout-timeout-s", "900",
+         "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
+        env_map="TASK_NAME=input.task_name,VARIATION_IDX=input.variation", what="openai client, ScienceWorld game (ReAct)"),
 }
 
 
