@@ -1,6 +1,7 @@
 """Benchmark: held-out learning per CPU-minute, lightspan's loop against TRL's ``GRPOTrainer``, in one run.
 
-    .venv/bin/python bench/learning_vs_trl.py [--seeds 0,1,2] [--cpu-budget-s 1800] [--eval-every 5]
+    .venv/bin/python bench/learning_vs_trl.py [--task addition|gsm8k] [--seeds 0,1,2] [--cpu-budget-s 1800]
+    .venv/bin/python bench/learning_vs_trl.py --summarise bench/learning_vs_trl.json   # a saved run's summary
 
 Both sides get the same model (SmolLM2-135M-Instruct as ``lightspan model smollm2`` makes it, or
 ``--model``), the same task (the demo's two-digit additions in the demo agent's wording, "What is
@@ -22,6 +23,20 @@ group size and sampling temperature (0.7), and the same CPU budget.
   ``--loss-type``, no KL; held-out evaluation by greedy ``generate`` in its own process,
   every ``--eval-every`` optimizer steps. CPU: the process's own (all its threads), from its start.
 
+``--task gsm8k`` (bench/learning_tasks.py): examples/gsm8k's problems instead. Equal on both sides: the
+model, the training problems (data/train.jsonl in file order, cycled, ``--tasks-per-step`` a step), the
+held-out ones (the first ``--val-tasks`` of data/val.jsonl, greedy), group size, temperature 0.7, 24
+new tokens a model call, LoRA r 16 and lr 3e-4 (TRL's defaults here, the example's settings), the loss,
+the CPU budget, the prompt of the first model call (the agent's ``shot_turns`` + ``first_turn``, built
+by the agent's own code) and the scoring (the agent's ``parse_action`` and ``score``). Different:
+lightspan's side runs the agent unchanged, multi-turn with its calculator (up to 6 calls, each stopped
+at ``</calc>`` or ``</answer>``), with the example's documented settings (bench/examples.py's
+``EXAMPLES["gsm8k"]``: rollout timeout 1200 s, langchain instrumentation off, ...); TRL's side is one
+completion per problem, no tool and no stop string: its reward is the agent's score of the
+completion's ``<answer>``, 0 for a completion that calls the calculator or has neither tag. The base
+SmolLM2 starts nearly every reply with ``<calc>`` (examples/gsm8k/README.md), so TRL's side starts
+near 0 reward. TRL's prompts are the agent's first call only; lightspan trains on every call.
+
 Evaluation is not charged to either budget: its CPU time is measured and left out on both sides.
 A side starts no new step once its budget is spent, then evaluates a last time. The sides run one
 after the other, seed by seed (lightspan, TRL, lightspan, ...), so they never share the cores.
@@ -29,14 +44,16 @@ Printed: per seed and side the held-out solved count against CPU-minutes and the
 the last training step (nats per token over the sampled completion tokens, at the sampling
 temperature: lightspan's train_steps.entropy, TRL's logged ``entropy``), a run that ends below
 ``ENTROPY_FLOOR`` (0.2) flagged with the warning the demo's trainer logs; per side the mean gain
-(last - first evaluation) per CPU-minute over the seeds (and its range); the ratio lightspan / TRL.
-Everything also goes to ``--out`` as JSON.
+(last - first evaluation) per CPU-minute over the seeds (and its range); the ratio lightspan / TRL;
+the same on the best evaluation (best - first solved count, per CPU-minute at the first evaluation that
+reached the best: 0 when the first is the best); per seed both ratios, and whether every seed is at
+least 1.0x on each. Everything also goes to ``--out`` as JSON (``task``; the summary's older keys kept).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.util
 import json
 import os
 import resource
@@ -47,37 +64,30 @@ import tempfile
 import time
 from pathlib import Path
 
+# bench/learning_tasks.py, the table of tasks (each side's settings, prompt and reward), loaded from beside
+# this file: bench/ is not put on sys.path, where its examples.py would shadow the examples/ folder
+if "learning_tasks" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("learning_tasks", Path(__file__).resolve().parent / "learning_tasks.py")
+    sys.modules["learning_tasks"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["learning_tasks"])
+TASKS = sys.modules["learning_tasks"].TASKS
+
 SIDES = ("lightspan", "trl")
 
 
 # --- lightspan ------------------------------------------------------------------------------------
 
 def lightspan_side(args) -> list[dict]:
-    from lightspan import demo
     from lightspan.experiment import loop
 
-    cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=args.tasks_per_step,
-                          samples=args.samples, val_tasks=args.val_tasks, model=args.model,
-                          data_dir=str(Path(args.work) / "lightspan"),
-                          **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     with tempfile.TemporaryDirectory() as tasks:
-        exp = dataclasses.replace(demo.preset(cfg, Path(tasks)), cpu_budget_s=args.cpu_budget_s,
-                                  val_every=args.eval_every, max_model_len=_max_len(args.model),
-                                  grpc_port=0, http_port=0, api_port=0, vllm_port=0)
-        results = loop(exp, section="demo")
+        exp = TASKS[args.task].experiment(args, Path(tasks))
+        results = loop(exp, section="demo" if args.task == "addition" else "experiment")
     curve = [{"step": v["step"], "cpu_s": v["cpu_seconds"], "wall_s": v["wall_seconds"],
               "solved": round(v["solved"] * v["rollouts"]), "of": v["rollouts"]} for v in results["val"]]
     # the trainer's mean per-token entropy over the sampled completion tokens of its first and last step
     trainer = results["trainer"]
     return {"curve": curve, "entropy": {"first": trainer.get("entropy_first"), "last": trainer.get("entropy_last")}}
-
-
-def _max_len(model: str) -> int:
-    """vLLM's context: 1024, or less for a model that has fewer positions (the tiny test model)."""
-    if not model:
-        return 1024
-    config = json.loads((Path(model) / "config.json").read_text())
-    return min(1024, int(config.get("max_position_embeddings", 1024)))
 
 
 # --- TRL ------------------------------------------------------------------------------------------
@@ -96,27 +106,24 @@ def trl_side(args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from lightspan.agents.math_agent import INSTRUCTION, score
-    from lightspan.demo import make_tasks
     from lightspan.models import DEFAULT_SMOLLM2_DIR
 
     t0, excluded = time.monotonic(), [0.0]
     torch.set_num_threads(args.trl_threads)
     model_dir = args.model or str(DEFAULT_SMOLLM2_DIR)
-    train, val = make_tasks(args.seed, args.max_steps * args.tasks_per_step, args.val_tasks)
+    task = TASKS[args.task]
+    train, val = task.tasks(args)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
-    def prompt(task: dict) -> list[dict]:
-        return [{"role": "user", "content": f"{task['question']} {INSTRUCTION}"}]
-
+    prompt = task.prompt
     dataset = Dataset.from_list([{"prompt": prompt(t), "answer": t["answer"]} for t in train])
 
     def reward(completions, answer, **_):
-        return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
+        return [task.reward(c[0]["content"], a) for c, a in zip(completions, answer)]
 
     curve: list[dict] = []
 
@@ -134,7 +141,7 @@ def trl_side(args) -> list[dict]:
                 out = policy.generate(**enc, max_new_tokens=args.max_tokens, do_sample=False,
                                       pad_token_id=tokenizer.pad_token_id)
                 replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-                solved += sum(score(r, t["answer"]) >= 1 for r, t in zip(replies, batch))
+                solved += sum(task.reward(r, t["answer"]) >= task.solved_at for r, t in zip(replies, batch))
         policy.train(was_training)
         excluded[0] += _own_cpu() - before
         curve.append({"step": step, "cpu_s": round(_own_cpu() - excluded[0], 1),
@@ -236,21 +243,103 @@ def gain_per_cpu_minute(curve: list[dict]) -> float:
     return (last["solved"] - first["solved"]) / max(last["cpu_s"] / 60.0, 1e-9)
 
 
+def best_evaluation(curve: list[dict]) -> dict:
+    """The curve's best evaluation: the most held-out tasks solved, the first evaluation that reached it."""
+    best = max(curve, key=lambda p: p["solved"])           # max keeps the first of equals
+    return {"step": best["step"], "solved": best["solved"], "of": best.get("of"), "cpu_s": best["cpu_s"]}
+
+
+def best_gain_per_cpu_minute(curve: list[dict]) -> float:
+    """(best - first evaluation's solved count) / the CPU-minutes at which the best was reached; 0 when
+    the first evaluation is the best."""
+    best = best_evaluation(curve)
+    return (best["solved"] - curve[0]["solved"]) / max(best["cpu_s"] / 60.0, 1e-9)
+
+
+def _ratio(lightspan: float, trl: float) -> float | None:
+    return lightspan / trl if trl > 0 else None
+
+
 def summarise(runs: dict) -> dict:
-    """Per side: gains per CPU-minute over the seeds; the ratio of the means, lightspan / TRL."""
-    out = {}
+    """Per side: gains per CPU-minute over the seeds, on the last evaluation and on the best; the ratio
+    of the means, lightspan / TRL, on each (absent when TRL's mean gain is not positive); per seed run by
+    both sides, the two ratios (None where TRL gained nothing on that seed). Seeds as strings (JSON's)."""
+    out: dict = {}
     for side in SIDES:
-        rates = [gain_per_cpu_minute(c) for c in runs.get(side, {}).values() if c]
-        if rates:
-            out[side] = {"gain_per_cpu_min": rates, "mean": statistics.mean(rates),
-                         "range": [min(rates), max(rates)]}
-    if "lightspan" in out and "trl" in out and out["trl"]["mean"] > 0:
-        out["ratio"] = out["lightspan"]["mean"] / out["trl"]["mean"]
+        curves = {str(seed): c for seed, c in runs.get(side, {}).items() if c}
+        if curves:
+            rates = [gain_per_cpu_minute(c) for c in curves.values()]
+            best = [best_gain_per_cpu_minute(c) for c in curves.values()]
+            out[side] = {"gain_per_cpu_min": rates, "mean": statistics.mean(rates), "range": [min(rates), max(rates)],
+                         "seeds": list(curves), "best_gain_per_cpu_min": best, "best_mean": statistics.mean(best),
+                         "best_range": [min(best), max(best)],
+                         "best_evaluation": [best_evaluation(c) for c in curves.values()]}
+    if "lightspan" in out and "trl" in out:
+        ls, trl = out["lightspan"], out["trl"]
+        if trl["mean"] > 0:
+            out["ratio"] = ls["mean"] / trl["mean"]
+        if trl["best_mean"] > 0:
+            out["best_ratio"] = ls["best_mean"] / trl["best_mean"]
+        per_seed = {}
+        for seed in (s for s in ls["seeds"] if s in trl["seeds"]):
+            i, j = ls["seeds"].index(seed), trl["seeds"].index(seed)
+            per_seed[seed] = {"ratio": _ratio(ls["gain_per_cpu_min"][i], trl["gain_per_cpu_min"][j]),
+                              "best_ratio": _ratio(ls["best_gain_per_cpu_min"][i], trl["best_gain_per_cpu_min"][j])}
+        out["per_seed"] = per_seed
+        out["every_seed_at_least_1x"] = {
+            key: bool(per_seed) and all(r[name] is not None and r[name] >= 1.0 for r in per_seed.values())
+            for key, name in (("last", "ratio"), ("best", "best_ratio"))}
     return out
+
+
+def report(summary: dict, noun: str = "additions", load: list[float] | None = None) -> list[str]:
+    """The summary's printed lines: the last evaluation's (as before), then the best evaluation's, then
+    each seed's ratios."""
+    lines = []
+    for side in SIDES:
+        if side in summary:
+            s = summary[side]
+            lines.append(f"{side:>9}: held-out gain {s['mean']:+.2f} {noun} per CPU-minute "
+                         f"(seeds: {', '.join(f'{r:+.2f}' for r in s['gain_per_cpu_min'])})")
+    where = f"   (load {load[0]:.1f} -> {load[1]:.1f})" if load and len(load) == 2 else ""
+    if "ratio" in summary:
+        lines.append(f"ratio lightspan / TRL: {summary['ratio']:.2f}x{where}")
+    else:
+        lines.append("ratio: n/a (TRL gained nothing, or a side was not run)")
+    for side in SIDES:
+        if side in summary and "best_mean" in summary[side]:
+            s = summary[side]
+            seeds = ", ".join(f"{r:+.2f} ({b['solved']}/{b['of']} @ {b['cpu_s'] / 60:.1f})"
+                              for r, b in zip(s["best_gain_per_cpu_min"], s["best_evaluation"]))
+            lines.append(f"{side:>9}: best held-out gain {s['best_mean']:+.2f} {noun} per CPU-minute "
+                         f"(seeds: {seeds}: best solved @ CPU-min)")
+    if "best_ratio" in summary:
+        lines.append(f"ratio lightspan / TRL on the best evaluation: {summary['best_ratio']:.2f}x")
+    elif "lightspan" in summary and "trl" in summary:
+        lines.append("ratio on the best evaluation: n/a (TRL gained nothing)")
+    def show(r):
+        return "n/a" if r is None else f"{r:.2f}x"
+    for seed, r in summary.get("per_seed", {}).items():
+        lines.append(f"seed {seed}: lightspan / TRL {show(r['ratio'])} on the last evaluation, "
+                     f"{show(r['best_ratio'])} on the best")
+    if "every_seed_at_least_1x" in summary:
+        every = summary["every_seed_at_least_1x"]
+        lines.append(f"every seed at least 1.0x: last evaluation {'yes' if every['last'] else 'no'}, "
+                     f"best evaluation {'yes' if every['best'] else 'no'}")
+    return lines
+
+
+def summarise_file(path: str) -> list[str]:
+    """The printed summary of a saved ``--out`` JSON, old files (no best-evaluation keys, no task) too."""
+    saved = json.loads(Path(path).read_text())
+    noun = TASKS[saved.get("task", "addition")].noun
+    return report(summarise(saved["runs"]), noun, saved.get("load_1m"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="addition", choices=list(TASKS),
+                        help="addition: the demo's additions; gsm8k: examples/gsm8k (single-turn on TRL's side)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--sides", default="lightspan,trl")
     parser.add_argument("--cpu-budget-s", type=float, default=1800.0, help="CPU seconds each side may train for")
@@ -264,12 +353,17 @@ def main() -> None:
                         help="lightspan's max_staleness (default: the demo's, 1: rollouts overlap training, one "
                              "version stale; 0: lock-step, on-policy as TRL is)")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
+    parser.add_argument("--summarise", metavar="JSON", default="",
+                        help="run nothing: print the summary of a saved --out file (old ones too)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summarise:
+        print("\n".join(summarise_file(args.summarise)))
+        return
     if args.max_tokens != 24:
-        parser.error("the demo agent asks for 24 new tokens: --max-tokens must be 24 for both sides to match")
+        parser.error("the agents ask for 24 new tokens a call: --max-tokens must be 24 for both sides to match")
     if args.side:                                       # one side of one seed, in its own process
         import logging
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -298,18 +392,10 @@ def main() -> None:
                 print(f"seed {seed} {side:>9}: {flag}", flush=True)
     load.append(os.getloadavg()[0])
     summary = summarise(runs)
-    for side in SIDES:
-        if side in summary:
-            s = summary[side]
-            print(f"{side:>9}: held-out gain {s['mean']:+.2f} additions per CPU-minute "
-                  f"(seeds: {', '.join(f'{r:+.2f}' for r in s['gain_per_cpu_min'])})")
-    if "ratio" in summary:
-        print(f"ratio lightspan / TRL: {summary['ratio']:.2f}x   (load {load[0]:.1f} -> {load[1]:.1f})")
-    else:
-        print("ratio: n/a (TRL gained nothing, or a side was not run)")
+    print("\n".join(report(summary, TASKS[args.task].noun, load)), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "entropy": entropy, "load_1m": load,
-                                              "argv": sys.argv[1:]}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"task": args.task, "runs": runs, "summary": summary, "entropy": entropy,
+                                              "load_1m": load, "argv": sys.argv[1:]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
