@@ -12,8 +12,8 @@ import pyarrow as pa
 from google.protobuf import json_format
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from lightspan.collector.otlp import (_FROM_RESOURCE, _ZERO_SPAN, _ZERO_TRACE, _dumps, _id, _Keep, _py, _Reject,
-                                      _resource, _str, _time)
+from lightspan.collector.otlp import _FROM_RESOURCE, _ZERO_SPAN, _ZERO_TRACE, _id, _resource, _time
+from lightspan.collector.otlp_values import _dumps, _Keep, _py, _Reject, _str
 from lightspan.collector.otlp_parse import DecodeError, hex_ids_to_base64, items, json_doc
 from lightspan.store import LOG_SCHEMA
 
