@@ -16,7 +16,8 @@ statement says:
 
 Bugs are split, not tasks: every tier of one bug is in the same split (one bug in four is held out).
 A task line: ``id``, ``bug``, ``tier``, ``file``, ``line``, ``original``, ``buggy``, ``failing`` (the
-failing tests' ids), ``statement``.
+failing tests' ids), ``statement``; the ``command`` tier's also ``command`` (its edit command, checked
+with the real ``sed`` on a copy to turn the bugged file back into the clean one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,11 +35,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import grade  # noqa: E402
 
-TIERS = ("fix", "line", "function", "test")
+TIERS = ("command", "fix", "line", "function", "test")
 SWAPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"),
          ast.Gt: (">", ">="), ast.GtE: (">=", ">"), ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="),
          ast.FloorDiv: ("//", "/"), ast.Mult: ("*", "+")}
 RUN_TESTS = "Run the tests with `python3 -m pytest -x`."
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"   # mini.yaml's submit command (mini-swe-agent's phrase)
 
 
 def mutations(source: str) -> list[tuple[int, str, str]]:
@@ -89,8 +94,47 @@ def bugged_copy(root: Path, module: str, lineno: int, original: str, buggy: str)
     path.write_text("\n".join(lines))
 
 
+def _sed_escape(text: str, replacement: bool) -> str:
+    return re.sub(r"([\\/&])" if replacement else r"([\\/.*\[\]^$])", r"\\\1", text)
+
+
+def edit_command(rel: str, lineno: int, original: str, buggy: str) -> str:
+    """The one-line ``sed -i`` that turns the bugged line back into the original: the changed characters
+    with the token on each side (more while the snippet is not unique on the line), e.g.
+    ``sed -i '38s/== 1:/== 0:/' textkit/case.py``."""
+    head = 0
+    while head < min(len(original), len(buggy)) and original[head] == buggy[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(original), len(buggy)) - head and original[-1 - tail] == buggy[-1 - tail]:
+        tail += 1
+    lo, hi = head, len(buggy) - tail
+    if hi <= lo:                     # a deletion: the characters on both sides of it
+        lo, hi = lo - 1, lo + 1
+    tokens = [m.span() for m in re.finditer(r"\w+|[^\w\s]+", buggy)]
+    changed = [i for i, (a, b) in enumerate(tokens) if a < hi and b > lo]
+    first, last = (changed[0], changed[-1]) if changed else (0, len(tokens) - 1)
+    for widen in range(1, len(tokens) + 1):
+        a, b = tokens[max(0, first - widen)][0], tokens[min(len(tokens) - 1, last + widen)][1]
+        if buggy.count(buggy[a:b]) == 1:
+            break
+    old, new = buggy[a:b], original[a:len(original) - (len(buggy) - b)]
+    script = f"{lineno}s/{_sed_escape(old, False)}/{_sed_escape(new, True)}/"
+    return f"sed -i {shlex.quote(script)} {rel}"
+
+
+def check_command(command: str, root: Path, rel: str, clean: str) -> None:
+    """Run the edit command with the real sed in ``root`` (a bugged copy): the file must become ``clean``."""
+    subprocess.run(["bash", "-c", command], cwd=root, check=True, capture_output=True)
+    if (root / rel).read_text() != clean:
+        raise ValueError(f"{command!r} does not restore {rel}")
+
+
 def statement(tier: str, rel: str, lineno: int, original: str, buggy: str, failing: str, call: str,
               got: str, expected: str) -> str:
+    if tier == "command":
+        return (f"The test {failing} fails. Fix it with the command below, then submit with the command: {SUBMIT}"
+                f"\n\n```bash\n{edit_command(rel, lineno, original, buggy)}\n```")
     if tier == "fix":
         return (f"The test {failing} fails. In {rel}, line {lineno} is:\n    {buggy.strip()}\n"
                 f"It should be:\n    {original.strip()}\nFix that line. {RUN_TESTS}")
@@ -118,6 +162,9 @@ def make_tasks(work: Path, every_val: int = 4) -> tuple[list[dict], list[dict]]:
             shutil.copytree(grade.PRISTINE, copy)
             bugged_copy(copy, path.name, lineno, original, buggy)
             results = grade.run_calls(copy, calls)
+            if isinstance(results, list):
+                check_command(edit_command(f"textkit/{path.name}", lineno, original, buggy), copy,
+                              f"textkit/{path.name}", path.read_text())
             shutil.rmtree(copy)
             if not isinstance(results, list):
                 continue   # the bug breaks the import or hangs: not one failing test
@@ -139,6 +186,8 @@ def make_tasks(work: Path, every_val: int = 4) -> tuple[list[dict], list[dict]]:
                              bug["call"], bug["got"], bug["expected"])
             task = {"id": f"bug{b:03d}-{tier}", "bug": b, "tier": tier,
                     **{k: bug[k] for k in ("file", "line", "original", "buggy", "failing")}, "statement": text}
+            if tier == "command":
+                task["command"] = edit_command(bug["file"], bug["line"], bug["original"], bug["buggy"])
             (val if b % every_val == every_val - 1 else train).append(task)
     return train, val
 

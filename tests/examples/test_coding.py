@@ -65,6 +65,9 @@ def test_mutations_are_one_token_changes_on_one_line():
     assert (4, "    return b + a") in found
     for line, original, buggy in make.mutations(source):
         assert source.splitlines()[line - 1] == original != buggy
+    # the command tier's edit: the changed token with its neighbours, regex characters escaped
+    assert make.edit_command("m.py", 2, "    if a <= b and b > 0:", "    if a < b and b > 0:") == "sed -i '2s/a < b/a <= b/' m.py"
+    assert make.edit_command("m.py", 3, "    x = y[i - 1].z", "    x = y[i - 2].z") == "sed -i '3s/- 2\\]\\./- 1]./' m.py"
 
 
 def test_an_injected_bug_fails_its_named_test_and_the_clean_package_passes(grade, tasks, tmp_path):
@@ -75,12 +78,18 @@ def test_an_injected_bug_fails_its_named_test_and_the_clean_package_passes(grade
     run = pytest_in(copy)
     assert run.returncode == 1 and f"FAILED tests/test_textkit.py::{task['failing'][0]}" in run.stdout, run.stdout[-800:]
     assert f"line {task['line']} of {task['file']}" in task["statement"]
-    # the four tiers of one bug say less and less, and are in one split
+    # the five tiers of one bug say less and less, and are in one split
     same = [t for t in tasks.values() if t["bug"] == task["bug"]]
-    assert [t["tier"] for t in same] == ["fix", "line", "function", "test"]
-    assert task["failing"][0] in same[2]["statement"] and task["file"] not in same[2]["statement"]
-    assert task["failing"][0] not in same[3]["statement"]
-    assert (same[0]["original"].strip() in same[0]["statement"]) and same[0]["buggy"].strip() in same[0]["statement"]
+    assert [t["tier"] for t in same] == ["command", "fix", "line", "function", "test"]
+    assert task["failing"][0] in same[3]["statement"] and task["file"] not in same[3]["statement"]
+    assert task["failing"][0] not in same[4]["statement"]
+    assert (same[1]["original"].strip() in same[1]["statement"]) and same[1]["buggy"].strip() in same[1]["statement"]
+    # the command tier gives the edit itself: run with the real sed on a bugged copy, it restores the file
+    command = same[0]["command"]
+    assert command.startswith(f"sed -i '{task['line']}s/") and command in same[0]["statement"]
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in same[0]["statement"]
+    make = load(CODING / "make_tasks.py")
+    make.check_command(command, copy, task["file"], (CODING / "textkit" / task["file"]).read_text())
     train_bugs = {json.loads(line)["bug"] for line in (CODING / "data" / "train.jsonl").read_text().splitlines()}
     assert not train_bugs & {t["bug"] for t in tasks.values()}
 
