@@ -57,6 +57,8 @@ class Example:
     settings: tuple[str, ...]
     env_map: str = "QUESTION=input.question,ANSWER=input.answer"
     service: str = ""  # "retriever" or "vllm": started here as the README starts it by hand
+    train: str = "train"  # the task files' names in the tasks folder's data/
+    val: str = "val"
     what: str = ""  # the agent in a few words, for the table
 
 
@@ -101,6 +103,12 @@ EXAMPLES = {
          "--max-memory-gb", "5", "--entropy-floor", "0.2", "--rollout-timeout-s", "900",
          "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
         env_map="TASK_NAME=input.task_name,VARIATION_IDX=input.variation", what="openai client, ScienceWorld game (ReAct)"),
+    "coding": Example(  # issue 31: mini-swe-agent from PyPI, unchanged; each rollout in its own mount namespace
+        "unshare --mount --propagation private python examples/coding/agent.py", "examples/coding",
+        ("--steps", "8", "--tasks-per-step", "2", "--samples", "4", "--concurrency", "8", "--lora-r", "16",
+         "--learning-rate", "3e-4", "--max-model-len", "4096", "--rollout-timeout-s", "900",
+         "--cpu-budget-s", "1200", "--time-budget-s", "3600"),
+        env_map="", train="train-command", val="val-run", what="mini-swe-agent (PyPI), bash in bubblewrap"),
 }
 
 
@@ -136,7 +144,7 @@ def results_dir(name: str, seed: int) -> Path:
 def command(name: str, seed: int, data_dir: Path, service_url: str = "") -> list[str]:
     ex = EXAMPLES[name]
     cmd = [sys.executable, "-m", "lightspan.cli", "experiment", "--agent", ex.agent,
-           "--train-tasks", f"{ex.tasks}/data/train.jsonl", "--val-tasks", f"{ex.tasks}/data/val.jsonl",
+           "--train-tasks", f"{ex.tasks}/data/{ex.train}.jsonl", "--val-tasks", f"{ex.tasks}/data/{ex.val}.jsonl",
            *ex.settings, "--seed", str(seed), "--data-dir", str(data_dir),
            "--out-dir", str(results_dir(name, seed))]
     if ex.env_map:
@@ -279,7 +287,8 @@ def run_one(name: str, seed: int, data_root: Path) -> dict:
                                               data_root / f"{name}-seed{seed}.svc.log", tree)
         cmd = command(name, seed, data_dir, url)
         with (data_root / f"{name}-seed{seed}.log").open("w") as log:
-            rc = subprocess.run(cmd, cwd=tree, env={**os.environ, **env, "PYTHONPATH": str(tree)},
+            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # 'python' in a command
+            rc = subprocess.run(cmd, cwd=tree, env={**os.environ, **env, "PYTHONPATH": str(tree), "PATH": path},
                                 stdout=log, stderr=subprocess.STDOUT).returncode
     finally:
         if service is not None:

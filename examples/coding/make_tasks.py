@@ -1,6 +1,6 @@
 """Write SWE-smith-style tasks for the coding agent: bugs injected into copies of textkit.
 
-    python examples/coding/make_tasks.py        # data/train.jsonl, data/val.jsonl
+    python examples/coding/make_tasks.py        # data/train.jsonl, data/val.jsonl (+ the measured run's subsets)
 
 Each candidate bug is one token changed on one line of ``textkit/textkit/*.py`` (the operators and
 constants the ``ast`` finds): an operator swapped (``+``/``-``, ``<``/``<=``, ``>``/``>=``, ``==``/``!=``,
@@ -192,6 +192,15 @@ def make_tasks(work: Path, every_val: int = 4) -> tuple[list[dict], list[dict]]:
     return train, val
 
 
+def run_splits(train: list[dict], val: list[dict]) -> dict[str, list[dict]]:
+    """The measured training run's task files (README, "Run it"): training on the ``command`` tier, the
+    only one SmolLM2-135M solves sometimes; held out, 8 ``command`` tasks and 4 ``fix`` tasks (whether
+    anything carries over to the next tier)."""
+    def tier(rows: list[dict], name: str) -> list[dict]:
+        return [r for r in rows if r["tier"] == name]
+    return {"train-command": tier(train, "command"), "val-run": tier(val, "command")[:8] + tier(val, "fix")[:4]}
+
+
 def main(argv=None) -> None:
     import tempfile
 
@@ -202,7 +211,7 @@ def main(argv=None) -> None:
         train, val = make_tasks(Path(work))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("val", val)):
+    for name, rows in (("train", train), ("val", val), *run_splits(train, val).items()):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps({"train": len(train), "val": len(val), "bugs": len({t["bug"] for t in train + val})}))
 

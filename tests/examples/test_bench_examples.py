@@ -52,7 +52,13 @@ def test_command_is_the_readme_command_with_seed_and_its_own_results_folder(tmp_
     assert multi[multi.index("--train-tasks") + 1] == "examples/sql_agent/data/train.jsonl"
     assert "--env-map" not in multi
     for name, example in bench.EXAMPLES.items():  # every path it names is in the repository
-        assert (REPO / example.agent).is_file() and (REPO / example.tasks / "data" / "val.jsonl").is_file(), name
+        assert (REPO / example.agent.split()[-1]).is_file(), name
+        for split in (example.train, example.val):
+            assert (REPO / example.tasks / "data" / f"{split}.jsonl").is_file(), name
+    coding = bench.command("coding", 1, tmp_path / "d")
+    assert coding[coding.index("--agent") + 1].endswith("python examples/coding/agent.py")
+    assert coding[coding.index("--train-tasks") + 1] == "examples/coding/data/train-command.jsonl"
+    assert coding[coding.index("--val-tasks") + 1] == "examples/coding/data/val-run.jsonl"
 
 
 def _results(seed: int, before: float, after: float | None, cpu: float = 600.0, of: int = 48) -> dict:
