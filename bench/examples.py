@@ -18,34 +18,37 @@ its store (``lightspan sql``), per split.
 
 The table, per example, over the seeds that have results: agent, turns (chat calls) per training
 rollout, tokens (prompt + completion, summed over a rollout's calls) per training rollout, held-out
-solved before -> after (mean and range), the gain, CPU-minutes per seed (the experiment's own count,
+solved before -> after (mean and range), the held-out mean reward before -> after (partial credit, as
+ScienceWorld's score gives), the gain, CPU-minutes per seed (the experiment's own count,
 validation excluded, plus the services' whole CPU), and whether the issue's goal is met: a mean gain
-of at least +10 points, every seed above its own start, at most 45 CPU-minutes a seed. Run it under
+of at least +10 points, every seed above its own start, at most 45 CPU-minutes a seed (the worked
+examples' goal; the long-horizon examples, ScienceWorld and coding, are reported without one). Run it under
 the machine's heavy slot so runs do not overlap: ``heavy-slot --slot A nice .venv/bin/python ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import tomllib
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
+# bench/example_runs.py, loaded from beside this file (bench/ on sys.path would let this file shadow examples/)
+if "example_runs" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("example_runs", Path(__file__).resolve().parent / "example_runs.py")
+    sys.modules["example_runs"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["example_runs"])
+from example_runs import (MODEL_DIR, ROOT, LoadSampler, committed_tree, start_service, stop,  # noqa: E402
+                          store_counts, tree_cpu_seconds)
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "examples" / "README.md"
 BEGIN, END = "<!-- bench/examples.py: table -->", "<!-- end of table -->"
-MODEL_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-instruct"
 GOAL_GAIN, GOAL_CPU_MIN = 0.10, 45.0
 
 
@@ -60,6 +63,7 @@ class Example:
     train: str = "train"  # the task files' names in the tasks folder's data/
     val: str = "val"
     what: str = ""  # the agent in a few words, for the table
+    goal: bool = True  # the worked-examples goal applies (issue 30); the long-horizon ones (issue 31) report only
 
 
 _GRPO = ("--tasks-per-step", "4", "--samples", "8", "--lora-r", "16", "--learning-rate", "3e-4")
@@ -102,13 +106,14 @@ EXAMPLES = {
          "--concurrency", "12", "--lora-r", "16", "--learning-rate", "3e-4", "--max-model-len", "2048",
          "--max-memory-gb", "5", "--entropy-floor", "0.2", "--rollout-timeout-s", "900",
          "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
-        env_map="TASK_NAME=input.task_name,VARIATION_IDX=input.variation", what="openai client, ScienceWorld game (ReAct)"),
+        env_map="TASK_NAME=input.task_name,VARIATION_IDX=input.variation", what="openai client, ScienceWorld game (ReAct)",
+        goal=False),
     "coding": Example(  # issue 31: mini-swe-agent from PyPI, unchanged; each rollout in its own mount namespace
         "unshare --mount --propagation private python examples/coding/agent.py", "examples/coding",
         ("--steps", "8", "--tasks-per-step", "2", "--samples", "4", "--concurrency", "8", "--lora-r", "16",
          "--learning-rate", "3e-4", "--max-model-len", "4096", "--rollout-timeout-s", "900",
          "--cpu-budget-s", "1200", "--time-budget-s", "3600"),
-        env_map="", train="train-command", val="val-run", what="mini-swe-agent (PyPI), bash in bubblewrap"),
+        env_map="", train="train-command", val="val-run", what="mini-swe-agent (PyPI), bash in bubblewrap", goal=False),
 }
 
 
@@ -154,123 +159,7 @@ def command(name: str, seed: int, data_dir: Path, service_url: str = "") -> list
     return cmd
 
 
-# --- running ---------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    """Until url answers (a readiness poll of a service we started, not a timing assumption)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited with {proc.returncode} before {url} answered")
-        try:
-            urllib.request.urlopen(url, timeout=5).close()
-            return
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s")
-
-
-def start_service(kind: str, seed: int, log: Path, tree: Path) -> tuple[subprocess.Popen, str, dict]:
-    """The service the README starts by hand; returns it, the URL the run uses and the agent's env."""
-    port = free_port()
-    if kind == "retriever":
-        argv = [sys.executable, "examples/search_r1/retriever.py", "--port", str(port)]
-        url, ready = f"http://127.0.0.1:{port}/retrieve", f"http://127.0.0.1:{port}/healthz"
-        env = {"SEARCH_R1_RETRIEVAL_URL": url}
-    else:  # the sandbox README's own vLLM: one thread, 1 GiB of KV cache (memory stays bounded)
-        argv = [sys.executable, "-m", "lightspan.cli", "vllm", "--model", str(MODEL_DIR), "--port", str(port),
-                "--threads", "1", "--kv-cache-gib", "1", "--seed", str(seed)]
-        url, ready, env = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/v1/models", {}
-    proc = subprocess.Popen(argv, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(ready, proc)
-    except RuntimeError:
-        stop(proc)
-        raise
-    return proc, url, env
-
-
-def tree_cpu_seconds(proc: subprocess.Popen) -> float:
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-
-
-class LoadSampler(threading.Thread):
-    """The 1-minute load average and MemAvailable every `every` seconds while a run goes."""
-
-    def __init__(self, every: float = 30.0):
-        super().__init__(daemon=True)
-        self.every, self.samples, self.done = every, [], threading.Event()
-
-    def run(self) -> None:
-        while True:
-            self.samples.append((round(os.getloadavg()[0], 2), psutil.virtual_memory().available // 2**20))
-            if self.done.wait(self.every):
-                return
-
-
-STORE_QUERY = """SELECT coalesce(r.split, '?') AS split, count(DISTINCT c.rollout_key) AS rollouts,
-    count(*) AS calls, sum(c.input_tokens)::BIGINT AS prompt_tokens, sum(c.output_tokens)::BIGINT AS completion_tokens
-    FROM llm_calls c JOIN rollouts r USING (rollout_key) GROUP BY ALL ORDER BY ALL"""
-
-
-def store_counts(data_dir: Path, tree: Path = ROOT) -> dict:
-    out = subprocess.run([sys.executable, "-m", "lightspan.cli", "sql", "--data-dir", str(data_dir),
-                          "--format", "json", STORE_QUERY], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip()[-500:]}
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]  # JSON lines
-    return {row.pop("split"): row for row in rows}
-
-
-def committed_tree(data_root: Path) -> tuple[str, Path]:
-    """HEAD's files (git archive), so a run uses committed code, not the shared tree's edits in progress."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
-    tree = data_root / f"tree-{commit}"
-    if not tree.exists():
-        tmp = data_root / f"tree-{commit}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
-        # lightspan.store etc. live in top-level folders (pyproject's package-dir); without these links the
-        # editable install's finder would import them from the shared tree, not from this one
-        package_dir = tomllib.loads((tmp / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-        for package, folder in package_dir.items():
-            if package.startswith("lightspan.") and folder != package.replace(".", "/"):
-                (tmp / package.replace(".", "/")).symlink_to(Path("..", *package.split(".")[2:]) / folder)
-        tmp.rename(tree)
-    return commit, tree
-
+# --- running (the services, CPU and load sampling, the store's counts, HEAD's tree: bench/example_runs.py) ---
 
 def run_one(name: str, seed: int, data_root: Path) -> dict:
     out_dir, data_dir = results_dir(name, seed), data_root / f"{name}-seed{seed}"
@@ -317,6 +206,7 @@ def seed_row(results: dict, run: dict | None) -> dict:
            "updates": results.get("trainer", {}).get("steps"), "finished": len(val) >= 2,
            "before": val[0]["solved"] if val else None, "of": val[0]["rollouts"] if val else None,
            "after": val[-1]["solved"] if len(val) >= 2 else None,
+           "reward": (val[0].get("reward_mean"), val[-1].get("reward_mean")) if len(val) >= 2 else None,
            "cpu_s": val[-1].get("cpu_seconds") if len(val) >= 2 else None}
     rollouts = sum(step.get("rollouts", 0) for step in train)
     calls = sum(step.get("outcomes", {}).get("capture", {}).get("calls", 0) for step in train)
@@ -360,15 +250,19 @@ def summarise(name: str, rows: list[dict]) -> dict:
     cells["turns"] = _span(turns, ".1f") if turns else "-"
     cells["tokens"] = _span(tokens, ".0f") if tokens else "-"
     if not done:
-        cells.update(heldout="-", gain="-", cpu="-", goal="not measured")
+        cells.update(heldout="-", reward="-", gain="-", cpu="-", goal="not measured")
         return cells
     before, after = [100 * r["before"] for r in done], [100 * r["after"] for r in done]
     gains = [a - b for a, b in zip(after, before)]
     cpu = [r["cpu_s"] / 60 for r in done if r["cpu_s"] is not None]
     cells["heldout"] = f"{_span(before, '.1f')} → {_span(after, '.1f')} (of {done[0]['of']})"
+    rewards = [r["reward"] for r in done if r["reward"] and None not in r["reward"]]
+    cells["reward"] = (f"{_span([b for b, _ in rewards], '.3f')} → {_span([a for _, a in rewards], '.3f')}"
+                       if len(rewards) == len(done) else "-")
     cells["gain"] = _span(gains, "+.1f")
     cells["cpu"] = _span(cpu, ".1f") if cpu else "-"
-    cells["goal"] = goal(gains, cpu if len(cpu) == len(done) else None)
+    cells["goal"] = (goal(gains, cpu if len(cpu) == len(done) else None)
+                     if name not in EXAMPLES or EXAMPLES[name].goal else "- (long-horizon: reported, no goal)")
     return cells
 
 
@@ -389,6 +283,7 @@ def goal(gains: list[float], cpu_min: list[float] | None) -> str:
 
 COLUMNS = [("example", "example"), ("agent", "agent"), ("seeds", "seeds"), ("turns", "turns / rollout"),
            ("tokens", "tokens / rollout"), ("heldout", "held-out solved % before → after"),
+           ("reward", "held-out mean reward before → after"),
            ("gain", "gain (points)"), ("cpu", "CPU-min / seed"), ("goal", "goal met")]
 
 

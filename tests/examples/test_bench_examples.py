@@ -94,10 +94,21 @@ def test_table_from_results_files(tmp_path):
     assert cells["gain"] == "+12.5 [+6.2, +18.8]"
     assert cells["cpu"] == "15.0 [10.0, 20.0]"
     assert cells["goal"] == "yes (2 of 3 seeds)"
-
+    assert cells["reward"] == "-"                 # these results.json predate reward_mean
     text = bench.table(tmp_path)
     assert "| [gsm8k](gsm8k/) |" in text and "abc1234" in text and "2.0–9.0" in text
     assert "| [sandbox](sandbox/) | openai client, Python in bubblewrap | none finished |" in text
+
+
+def test_mean_reward_column_and_no_goal_for_the_long_horizon_examples(tmp_path):
+    for seed, (r0, r1) in enumerate([(0.08, 0.20), (0.08, 0.12)]):
+        results = _results(seed, 0.0, 0.0)
+        results["val"][0]["reward_mean"], results["val"][1]["reward_mean"] = r0, r1
+        _write(tmp_path, "scienceworld", seed, results)
+    cells = bench.summarise("scienceworld", bench.load_rows("scienceworld", tmp_path))
+    assert cells["reward"] == "0.080 [0.080, 0.080] → 0.160 [0.120, 0.200]"
+    assert cells["goal"] == "- (long-horizon: reported, no goal)" and cells["gain"] == "+0.0 [+0.0, +0.0]"
+    assert "held-out mean reward before → after" in bench.table(tmp_path)
 
 
 def test_goal_needs_every_seed_up_the_mean_gain_and_the_cpu_bound():
