@@ -60,7 +60,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collector_ingest import EXPORT_METHOD, GRPC_OPTIONS, RETRY_INFO_KEY, genai_request  # noqa: E402
+from otlp_load import EXPORT_METHOD, GRPC_OPTIONS, RETRY_INFO_KEY, genai_request  # noqa: E402
 
 STABLE_S = 20.0   # Phoenix has drained once its span count has not moved for this long
 MARK = 6   # bytes of an id that are unique per request: trace_id = mark + 10 bytes, span_id = mark + 2
