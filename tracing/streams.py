@@ -124,6 +124,15 @@ class ConvertedDecoder(CapturedDecoder):
         out = []
         make, call = self.event_type, self.call
         cap, read = call.cap, (self.read if call.output is not None else None)
+        batch = getattr(cap, "batch", None) if read is None else None
+        if batch is not None:   # (the capture reads the read's chunks in one loop: AnthropicCapture.batch)
+            datas = parser.feed(chunk)
+            i, n = 0, len(datas)
+            while i < n:
+                i = batch(datas, i, make, out)
+                if datas[i - 1].startswith("[DONE]"):
+                    self.end(True)
+            return out
         for data in parser.feed(chunk):
             if data.startswith("{"):
                 # (a converted stream's chunks are read by its capture's ``events``: without output

@@ -319,3 +319,91 @@ def test_a_plain_answer_is_read_in_one_pass(fixed_signatures):
         out.add(answer)
         assert cap.output_messages() == out.messages(general.stop_reason)
     assert 0 < plain < 200
+
+
+def _stream_datas(rng: random.Random) -> list:
+    """A chat stream's data strings: the usual tokens, with now and then a chunk of another shape (a
+    reasoning or tool-call delta, a finish reason, another index, prompt ids, logprobs of another
+    shape, a delta of several fields), data that is not a chunk, and a ``[DONE]`` (not always last)."""
+    out = [orjson.dumps({"id": "c", "model": "policy", "prompt_token_ids": [1, 2], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": {"prompt_tokens": 2}}).decode()]
+    for i in range(rng.randint(0, 12)):
+        choice = {"index": 0, "delta": {"content": rng.choice([f"t{i}", "é", "", None])}, "token_ids": [i],
+                  "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": None}
+        chunk = {"id": "c", "model": "policy", "choices": [choice]}
+        odd = rng.random()
+        if odd < 0.05:
+            choice["delta"] = {"reasoning": "hm"}
+        elif odd < 0.1:
+            choice["delta"]["tool_calls"] = [{"index": 0, "id": f"t{i}", "function": {"name": "f", "arguments": "{}"}}]
+        elif odd < 0.13:
+            choice["finish_reason"] = rng.choice(["length", "stop"])
+        elif odd < 0.16:
+            choice["index"] = 1
+        elif odd < 0.19:
+            chunk["prompt_token_ids"] = [3]
+        elif odd < 0.22:
+            choice["logprobs"] = rng.choice([None, {"content": []}, {"content": [{"logprob": -1}, {"logprob": -2}]},
+                                             {"content": [{"token": "x"}]}, {}])
+        elif odd < 0.25:
+            del choice["token_ids"]
+        elif odd < 0.28:
+            choice["delta"]["role"] = "assistant"
+        elif odd < 0.3:
+            choice["delta"]["reasoning"] = None
+        elif odd < 0.32:
+            chunk["choices"] = [choice, dict(choice, index=1)]
+        elif odd < 0.34:
+            chunk["usage"] = {"prompt_tokens": 2, "completion_tokens": i}
+        out.append(orjson.dumps(chunk).decode())
+        if rng.random() < 0.05:
+            out.append(rng.choice(["[1, 2]", "\"text\"", ": x", " {\"a\": 1}", "null"]))
+    out.append(orjson.dumps({"id": "c", "model": "policy", "choices": [], "usage": {"prompt_tokens": 2}}).decode())
+    out.insert(rng.randint(len(out) - 1, len(out)), "[DONE]")
+    if rng.random() < 0.2:
+        out.append(out[1] if len(out) > 2 else "[DONE]")
+    return out
+
+
+def _or_raised(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:   # (a logprob that is not a number: both ways alike)
+        return type(e).__name__
+
+
+def test_a_streams_batch_reads_as_its_chunks_one_by_one(fixed_signatures):
+    """``AnthropicCapture.batch`` (the converted stream's decoder's loop) gives the events, ids,
+    logprobs, counts and attributes that ``events`` and ``end`` give chunk by chunk, the data cut
+    into reads anywhere, and stops after a ``[DONE]``."""
+    def make(name, data):
+        return (name, data)
+
+    rng = random.Random(16)
+    for _ in range(400):
+        body = {**_common(rng), "stream": True}
+        datas = _stream_datas(rng)
+        seen = []
+        for how in ("one by one", "batch"):
+            cap, events, done = am.PROTOCOL.capture(body), [], []
+            if how == "one by one":
+                for data in datas:
+                    if data.startswith("{"):
+                        chunk = orjson.loads(data)
+                        if type(chunk) is dict:
+                            events += cap.events(chunk)
+                    elif data.startswith("[DONE]"):
+                        events += cap.end()
+                        done.append(len(events))
+            else:
+                cuts = sorted(rng.sample(range(len(datas) + 1), rng.randint(0, 3)))
+                for start, stop in zip([0, *cuts], [*cuts, len(datas)]):
+                    part, i = datas[start:stop], 0
+                    while i < len(part):
+                        i = cap.batch(part, i, make, events)
+                        if part[i - 1].startswith("[DONE]"):
+                            done.append(len(events))
+            c = cap.chat.choices.get(0)
+            seen.append((events, done, cap.chat.fed, c and (c.ids, c.logprobs), _or_raised(cap.attributes, 3),
+                         cap.genai_attributes(), am.outputs(cap, am.output(cap, True))))
+        assert seen[0] == seen[1], datas

@@ -7,10 +7,14 @@ answer into what the caller asked for (:meth:`~AnthropicCapture.message` for a r
 
 from __future__ import annotations
 
+from itertools import islice
+
+import orjson
+
 from lightspan.tracing import semconv
 from lightspan.tracing.protocols.anthropic_convert import MessageStream, Unsupported, to_chat, to_message
-from lightspan.tracing.protocols.base import OverChat, temperature
-from lightspan.tracing.protocols.chat import CHAT, Capture, with_capture
+from lightspan.tracing.protocols.base import OverChat, loads, temperature
+from lightspan.tracing.protocols.chat import CHAT, Capture, _chat_logprobs, with_capture
 
 
 class AnthropicCapture(OverChat):
@@ -62,6 +66,75 @@ class AnthropicCapture(OverChat):
         """The events at the chat stream's ``[DONE]``."""
         self.done = True
         return self.stream.done()
+
+    def batch(self, datas: list, i: int, make, out: list) -> int:
+        """A converted stream's decoder (``streams.ConvertedDecoder``) reading ``datas`` (the data of
+        the events of one read, chat chunks) from ``i``: each chunk's events made (``make(name,
+        data)``) and appended to ``out``, as :meth:`events` and :meth:`end` give them; up to the
+        first ``[DONE]`` (its events appended: the caller records the call), the index after it, or
+        to the end. The usual chunk, one text token in an open text block, in one step of this loop
+        (``Capture.text_token`` and ``MessageStream.text``, written out with what they look up kept
+        between chunks: this runs per token; tests/tracing/test_anthropic_fast.py holds it equal to
+        them); any other goes to :meth:`events`."""
+        stream, chat = self.stream, self.chat
+        fed = 0
+        fast, ids_add, lp_add, delta_add, index, c = self._batch_state()
+        try:
+            for data in islice(datas, i, None):
+                i += 1
+                if not data.startswith("{"):
+                    if data.startswith("[DONE]"):
+                        out += [make(name, event) for name, event in self.end()]
+                        return i
+                    continue
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    chunk = loads(data)
+                if type(chunk) is not dict:
+                    continue
+                if fast:
+                    try:   # (text_token's subscripts and tests, in its order)
+                        (choice,) = chunk["choices"]
+                        delta = choice["delta"]
+                        text = delta["content"]
+                    except (KeyError, TypeError, ValueError):
+                        text = None
+                    if (type(text) is str and text and choice.get("finish_reason") is None and not choice.get("index")
+                            and (len(delta) == 1 or (delta.get("reasoning") is None and not delta.get("tool_calls")))
+                            and ("prompt_token_ids" not in chunk or chunk["prompt_token_ids"] is None)):
+                        fed += 1
+                        ids = choice.get("token_ids")
+                        if ids is not None:
+                            ids_add(ids)
+                        lp = choice.get("logprobs")
+                        if lp is not None:
+                            try:
+                                (entry,) = lp["content"]
+                                lp_add(entry["logprob"])
+                            except (KeyError, TypeError, ValueError):
+                                _chat_logprobs(c, lp)
+                        delta = {"type": "text_delta", "text": text}
+                        delta_add(delta)
+                        out.append(make("content_block_delta", {"type": "content_block_delta", "delta": delta,
+                                                                "index": index}))
+                        continue
+                chat.fed += fed
+                fed = 0
+                out += [make(name, event) for name, event in self.events(chunk)]
+                fast, ids_add, lp_add, delta_add, index, c = self._batch_state()
+            return i
+        finally:
+            chat.fed += fed
+
+    def _batch_state(self) -> tuple:
+        """(whether :meth:`batch` can read the usual chunk now: a text block open, choice 0 read, and
+        what it adds to: the choice's ids and logprobs, the block's deltas, its index, the choice)."""
+        stream, chat = self.stream, self.chat
+        c = chat.choices.get(0)
+        if stream.block != "text" or not chat._chat or c is None:
+            return False, None, None, None, None, None
+        return True, c.ids.extend, c.logprobs.append, stream.blocks[-1][1].append, stream.index, c
 
     def status(self) -> str:
         return "unsupported_request" if self.unsupported else self.chat.status()
