@@ -3,6 +3,9 @@
 Build it with ``resolve(CollectorConfig, section="collector", file=..., cli=...)``; every field
 is also ``LIGHTSPAN_COLLECTOR_<FIELD>`` in the environment (``data_dir`` also answers to
 ``LIGHTSPAN_DATA_DIR``, the variable every lightspan component reads).
+
+:func:`writable` is the start-up check of a directory the configuration names: one that cannot be
+written is a ConfigError naming it and the field that chose it (:func:`not_writable`).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightspan.collector.jsonlog import FORMATS
 from lightspan.core.config import ConfigError, is_loopback, option
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, WAL_DIR
-from lightspan.store.location import Location
+from lightspan.store.location import NOT_WRITABLE, Location
 
 SECTION = "collector"
 MiB = 1 << 20
@@ -289,3 +293,24 @@ class CollectorConfig:
         """The collector's prefix name in a bucket: collector_id, else the host name."""
         name = self.collector_id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "collector"
         return name[:128]
+
+
+def not_writable(directory, field: str, exc: OSError) -> ConfigError:
+    """The ConfigError of a directory (``collector.<field>``) that the collector cannot write to."""
+    env = f"LIGHTSPAN_COLLECTOR_{field.upper()}"
+    return ConfigError("collector", field, f"the collector cannot write to {directory} ({exc.strerror or exc})",
+                       f"make {directory} writable for the collector's user (chown/chmod, or mount it read-write), "
+                       f"or set collector.{field} ({env}, --{field.replace('_', '-')}) to a writable directory")
+
+
+def writable(directory: Path, field: str) -> None:
+    """Make ``directory`` if need be and write (then remove) a file in it: at start-up, before
+    anything is written, a directory the collector cannot write to is one ConfigError naming it and
+    ``collector.<field>``, not a traceback from the first write. Other errors (a full disk) pass:
+    they are answered where they happen (503)."""
+    try:
+        Location.of(directory).check()
+    except OSError as exc:
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        raise not_writable(directory, field, exc) from None

@@ -41,8 +41,9 @@ from lightspan.collector.metrics import Metrics
 from lightspan.collector.otlp import check
 from lightspan.collector.otlp_parse import DecodeError
 from lightspan.collector.outcomes import CollectorError, ExportResult, Outcome, Status, status_for
+from lightspan.collector.signals import LOGS_TAG, SIGNALS
 from lightspan.core.web.routes import Route
-from lightspan.collector.writer import COMPACT_GRACE_S, LOGS_TAG, SIGNALS, Writer
+from lightspan.collector.writer import COMPACT_GRACE_S, Writer
 
 __all__ = ["Collector", "CollectorError", "ExportResult", "Outcome", "Status", "status_for", "serve",
            "EXPORT_METHOD", "LOGS_EXPORT_METHOD", "RETRY_INFO_KEY", "TRACES_PATH", "LOGS_PATH"]

@@ -26,60 +26,27 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from lightspan import store
 from lightspan.collector import compact as compaction
 from lightspan.collector import dedup, evaluation_writer, reward_integrity
-from lightspan.collector.config import CollectorConfig
+from lightspan.collector.config import CollectorConfig, not_writable, writable
 from lightspan.collector.metrics import Metrics
-from lightspan.collector.otlp import count_spans, flatten
-from lightspan.collector.otlp_parse import DecodeError, parse_json_request, parse_protobuf_request
-from lightspan.collector.otlp_logs import count_log_records, flatten_logs, parse_json_logs_request
+from lightspan.collector.otlp import flatten
+from lightspan.collector.otlp_parse import DecodeError, parse_protobuf_request
 from lightspan.collector.outcomes import CollectorError, Outcome
+from lightspan.collector.signals import LOGS_TAG, SIGNALS
 from lightspan.collector.wal import WAL
-from lightspan.core.config import ConfigError
 from lightspan.store.files import writer_tree
 from lightspan.store.location import NOT_WRITABLE
 
 log = logging.getLogger(__name__)
 
-LOGS_TAG = b"\x00L"    # WAL records of logs; untagged records are trace requests (see wal.py)
 _NS_PER_DAY = 86_400 * 10**9
 _EPOCH = date(1970, 1, 1)
 _REPLAY_BATCH_BYTES = 64 << 20
 _FLUSH_CHUNK_BYTES = 16 << 20   # queued bytes flattened and written per Parquet file (per date) at a time
 COMPACT_GRACE_S = 30.0        # files a merged one replaces stay this long, for queries that listed them
-# per signal: the request parsers, the row builder, the counter prefix, the partition time column
-SIGNALS = {
-    "traces": dict(protobuf=parse_protobuf_request, json=parse_json_request, count=count_spans,
-                   flatten=flatten, metric="spans", time="start_time_unix_nano", table="spans",
-                   sort=[("rollout_id", "ascending"), ("start_time_unix_nano", "ascending")]),
-    "logs": dict(protobuf=lambda body: parse_protobuf_request(body, ExportLogsServiceRequest),
-                 json=parse_json_logs_request, count=count_log_records, flatten=flatten_logs,
-                 metric="log_records", time="time_unix_nano", table="logs",
-                 sort=[("rollout_id", "ascending"), ("time_unix_nano", "ascending")]),
-}
-
-
-def _not_writable(directory, field: str, exc: OSError) -> ConfigError:
-    env = f"LIGHTSPAN_COLLECTOR_{field.upper()}"
-    return ConfigError("collector", field, f"the collector cannot write to {directory} ({exc.strerror or exc})",
-                       f"make {directory} writable for the collector's user (chown/chmod, or mount it read-write), "
-                       f"or set collector.{field} ({env}, --{field.replace('_', '-')}) to a writable directory")
-
-
-def writable(directory: Path, field: str) -> None:
-    """Make ``directory`` if need be and write (then remove) a file in it: at start-up, before
-    anything is written, a directory the collector cannot write to is one ConfigError naming it and
-    ``collector.<field>``, not a traceback from the first write. Other errors (a full disk) pass:
-    they are answered where they happen (503)."""
-    try:
-        store.Location.of(directory).check()
-    except OSError as exc:
-        if exc.errno not in NOT_WRITABLE:
-            raise
-        raise _not_writable(directory, field, exc) from None
 
 
 class Writer:
@@ -127,7 +94,7 @@ class Writer:
             self.location.check()
         except OSError as exc:       # nothing accepted yet: the WAL stays as it is for the next start
             if exc.errno in NOT_WRITABLE:      # a data directory that is not writable: a ConfigError naming it
-                raise _not_writable(self.location, "data_dir", exc) from None
+                raise not_writable(self.location, "data_dir", exc) from None
             raise CollectorError(f"cannot reach the store {self.describe()}: {exc}") from None
         writable(self.wal_dir, "wal_dir" if self.config.wal_dir else "data_dir")
         self.wal = WAL(self.wal_dir)

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from lightspan.collector import writer
+from lightspan.collector import signals
 from tests.collector.helpers import query, traces_url
 
 BIG_SPANS = 400
@@ -32,7 +32,7 @@ class Decoder:
     and the bytes being decoded at once are recorded."""
 
     def __init__(self, big_from: int):
-        self.parse, self.big_from = writer.SIGNALS["traces"]["json"], big_from
+        self.parse, self.big_from = signals.SIGNALS["traces"]["json"], big_from
         self.release, self.big_inside = threading.Event(), threading.Event()
         self.lock, self.now, self.peak = threading.Lock(), 0, 0
 
@@ -62,7 +62,7 @@ def test_a_small_json_export_is_not_held_behind_a_big_one(collector_factory, dat
     big, second_big = otlp_json(BIG_SPANS, 1, pad=4000), otlp_json(BIG_SPANS, 2, pad=4000)   # ≈ 1.7 MB each
     collector = collector_factory(max_json_bytes=len(big) + len(big) // 2)        # room for one big body
     decoder = Decoder(big_from=len(big))
-    monkeypatch.setitem(writer.SIGNALS["traces"], "json", decoder)
+    monkeypatch.setitem(signals.SIGNALS["traces"], "json", decoder)
     results: list[int] = []
     senders = [threading.Thread(target=post, args=(collector, body, results)) for body in (big, second_big)]
     senders[0].start()
@@ -89,7 +89,7 @@ def test_json_decoding_past_its_bound_is_told_to_retry(collector_factory, monkey
     big = otlp_json(BIG_SPANS, 1, pad=4000)
     collector = collector_factory(max_json_bytes=len(big) + 1000, read_timeout_s=1.0)
     decoder = Decoder(big_from=len(big))
-    monkeypatch.setitem(writer.SIGNALS["traces"], "json", decoder)
+    monkeypatch.setitem(signals.SIGNALS["traces"], "json", decoder)
     results: list[int] = []
     sender = threading.Thread(target=post, args=(collector, big, results))
     sender.start()
