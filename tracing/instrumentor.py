@@ -180,9 +180,7 @@ def _straight_post(client: Client, wrapped, instance, args, kwargs):
     line = None if kwargs.get("stream") else straight.prepare(client, instance, args, kwargs)
     if line is None:
         return _sync_post(client, wrapped, instance, args, kwargs)
-    call, kwargs = line
-    if call.path is not None and args:
-        args = (call.path, *args[1:])
+    call, args, kwargs = line
     try:
         token = FEEDING.set(call)
         try:

@@ -56,6 +56,11 @@ class Report:
         if first:
             log.warning("lightspan: a call%s was not captured (%s): %s", f" to {url}" if url else "", status, reason)
 
+    def captured(self) -> None:
+        """``count(CAPTURED)``: one call captured (the straight line's)."""
+        with self.lock:
+            self.counts[CAPTURED] += 1
+
     def summary(self) -> dict:
         with self.lock:
             counts = dict(self.counts)

@@ -91,16 +91,16 @@ _LAST: list = [(None, None, None, None)]   # (base URL object, path, variables, 
 
 
 def prepare(client, instance, args, kwargs):
-    """(the :class:`Straight` call, the ``post`` keyword arguments to call with) of a call that takes
-    the straight line, else None (nothing done: the general steps take it)."""
+    """(the :class:`Straight` call, the ``post`` positional and keyword arguments to call with) of a
+    call that takes the straight line, else None (nothing done: the general steps take it)."""
     body = kwargs.get("body")
     options = kwargs.get("options")
-    if (not ON[0] or type(body) is not dict or type(options) is not dict or kwargs.get("stream")
-            or body.get("stream")):
+    if type(body) is not dict or type(options) is not dict or not ON[0] or kwargs.get("stream") or body.get("stream"):
         return None
-    headers = options.get("headers")
-    if headers and (type(headers) is not dict or headers.get(_RAW_RESPONSE_HEADER) is not None):
-        return None
+    if "headers" in options:
+        headers = options["headers"]
+        if headers and (type(headers) is not dict or headers.get(_RAW_RESPONSE_HEADER) is not None):
+            return None
     path = args[0] if args else kwargs.get("path", "")
     url = getattr(instance, "base_url", "")
     raw = semconv.env_raw(_VARIABLES)
@@ -112,8 +112,13 @@ def prepare(client, instance, args, kwargs):
     line = last[3]
     if line is None or not hooks.hooked(line.response):
         return None
-    extra = options.get("extra_json")
-    asked = {**body, **extra} if type(extra) is dict and extra else body
+    if "extra_json" in options:   # (sent in the body: the options go on without it)
+        extra = options["extra_json"]
+        asked = {**body, **extra} if type(extra) is dict and extra else body
+        options = dict(options)
+        del options["extra_json"]
+    else:
+        asked = body
     given = dict(compress(asked.items(), map(not_, map(line.sentinel, map(type, asked.values())))))
     chat = common_chat(given, capture=True)
     if chat is None or "stream" in chat:
@@ -125,18 +130,17 @@ def prepare(client, instance, args, kwargs):
         return None
     model = chat["model"]
     call = Straight(client, line, line.models.get(model) or line.model(model), given, chat)
-    sent = dict(options)
-    sent.pop("extra_json", None)
-    kwargs = {**kwargs, "body": chat, "options": sent}
     if args:
         call.path = line.chat_path
+        args = (line.chat_path, *args[1:])
+        kwargs = {**kwargs, "body": chat, "options": options}
     else:
-        kwargs["path"] = line.chat_path
+        kwargs = {**kwargs, "body": chat, "options": options, "path": line.chat_path}
     if client.own_spans and getattr(instance, "_tracer", None) is not None:   # the SDK's span, adopted as it starts
         call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
     else:
         call.span, call.owned = spans.open_span(call.model.name, call.start()), True
-    return call, kwargs
+    return call, args, kwargs
 
 
 class Straight:
@@ -221,9 +225,12 @@ class Straight:
                 span = self.span = spans.open_span(self.model.name, self.start(), start_time=span.start_time)
                 self.owned, self.adopted = True, False
             now = self.line.settings
-            served = model or getattr(span, "attributes", {}).get(semconv.GEN_AI_REQUEST_MODEL)
             versions = now.policy_versions
-            policy, version = (served, versions[served]) if served in versions else (None, now.model_version)
+            if versions:
+                served = model or getattr(span, "attributes", {}).get(semconv.GEN_AI_REQUEST_MODEL)
+                policy, version = (served, versions[served]) if served in versions else (None, now.model_version)
+            else:
+                policy, version = None, now.model_version
             attrs = {_PROMPT: prompt, _IDS: (ids,), _LOGPROBS: (logprobs,), _STATUS: CAPTURED}
             if version is not None:
                 attrs[semconv.MODEL_VERSION] = int(version)
@@ -251,7 +258,10 @@ class Straight:
             attrs = _ERROR
         if span.is_recording():
             span.set_attributes(attrs)
-        REPORT.count(attrs[_STATUS], attrs.get(semconv.CAPTURE_REASON))
+        if attrs is _ERROR:
+            REPORT.count(attrs[_STATUS], attrs[semconv.CAPTURE_REASON])
+        else:
+            REPORT.captured()
 
 
 def _message(chat: dict, text: str | None, reason: str | None, sequence: str | None) -> dict:
@@ -268,11 +278,10 @@ def _message(chat: dict, text: str | None, reason: str | None, sequence: str | N
                         "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0}
     else:
         out["usage"] = usage(u)
-    kv, ec = chat.get("kv_transfer_params"), chat.get("ec_transfer_params")
-    if kv is not None:
-        out["kv_transfer_params"] = kv
-    if ec is not None:
-        out["ec_transfer_params"] = ec
+    if "kv_transfer_params" in chat and chat["kv_transfer_params"] is not None:
+        out["kv_transfer_params"] = chat["kv_transfer_params"]
+    if "ec_transfer_params" in chat and chat["ec_transfer_params"] is not None:
+        out["ec_transfer_params"] = chat["ec_transfer_params"]
     return out
 
 
