@@ -105,7 +105,7 @@ EXAMPLES = {
         ("--disabled-instrumentations", "langchain", "--steps", "8", "--tasks-per-step", "3", "--samples", "4",
          "--concurrency", "12", "--lora-r", "16", "--learning-rate", "3e-4", "--max-model-len", "2048",
          "--max-memory-gb", "5", "--entropy-floor", "0.2", "--rollout-timeout-s", "900",
-         "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
+         "--output", "per_rollout", "--loss-normalisation", "rollout", "--cpu-budget-s", "2700", "--time-budget-s", "4800"),
         env_map="TASK_NAME=input.task_name,VARIATION_IDX=input.variation", what="openai client, ScienceWorld game (ReAct)",
         goal=False),
     "coding": Example(  # issue 31: mini-swe-agent from PyPI, unchanged; each rollout in its own mount namespace

@@ -47,6 +47,7 @@ import requests
 
 from lightspan import inference
 from lightspan.inference import LORA_RANKS
+from lightspan.lightningrl.config import OUTPUTS
 from lightspan.core.config import ConfigError, option
 from lightspan.experiment_report import plot, report
 from lightspan.models import DEFAULT_SMOLLM2_DIR
@@ -129,6 +130,10 @@ class ExperimentConfig:
     agent_match: str = option("", "Regex over each call's agent name: only matching agents' calls are trained "
                                   "(transitions build --agent-match); empty: every call.")
     credit: str = option("identical", "Credit policy of the transition builder: identical or discounted.")
+    output: str = option("per_call", "Transitions the builder makes (transitions build --output): 'per_call', one "
+                                     "a model call (LightningRL's); 'per_rollout', a rollout's calls merged into one "
+                                     "sequence per segment, for long multi-turn agents (each prompt once, not once a "
+                                     "call; with --loss-normalisation rollout a rollout weighs as one).")
     solved_at: float = option(1.0, "A rollout with a reward at least this counts as solved.")
     max_model_len: int = option(1024, "vLLM's --max-model-len when the experiment starts vLLM.")
     rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
@@ -167,6 +172,9 @@ class ExperimentConfig:
         if self.lora_r and self.lora_serving == "adapter" and self.lora_r not in LORA_RANKS:
             raise ConfigError("experiment", "lora_r", f"vLLM serves no adapter of rank {self.lora_r}",
                               f"pass one of {', '.join(map(str, LORA_RANKS[1:]))}, or 0")
+        if self.output not in OUTPUTS:
+            raise ConfigError("experiment", "output", f"{self.output!r} is not a builder output",
+                              f"pass one of {', '.join(OUTPUTS)}")
         for name in ("val_limit", "val_every", "max_staleness", "trainer_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError("experiment", name, "must be >= 0", f"pass --{name.replace('_', '-')} 0 or more")
@@ -178,6 +186,12 @@ def agent_command(agent: str) -> list[str]:
     if len(parts) == 1 and parts[0].endswith(".py"):
         return [sys.executable, str(Path(parts[0]).resolve())]
     return parts
+
+
+def build_command(cfg: ExperimentConfig, data: Path) -> list[str]:
+    """The transitions build the loop runs after each step's rollouts."""
+    return lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
+                     "--agent-match", cfg.agent_match, "--output", cfg.output)
 
 
 def step_tasks(train: list[dict], step: int, per_step: int, temperature: float) -> list[dict]:
@@ -285,8 +299,7 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
                      step, version, row["reward_mean"], 100 * row["solved"], row["rollouts"], row["cpu_seconds"])
 
         validate(0)
-        build = lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
-                          "--agent-match", cfg.agent_match)
+        build = build_command(cfg, data)
         for step in range(cfg.steps):
             # the rollouts of this step start once they cannot end up staler than max_staleness
             stages.time("train + sync (waiting)", queue.wait, cfg.max_staleness)

@@ -97,6 +97,21 @@ def test_experiment_cycles_train_tasks_with_new_ids():
     assert agent_command("node agent.js --fast") == ["node", "agent.js", "--fast"]
 
 
+def test_experiment_builds_the_transitions_it_is_told_to(tmp_path):
+    from lightspan.core.config import ConfigError
+    from lightspan.experiment import ExperimentConfig, build_command
+
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"id": "a"}\n')
+    files = {"agent": "agent.py", "train_tasks": str(tasks), "val_tasks": str(tasks)}
+    default = build_command(ExperimentConfig(**files), tmp_path)
+    assert default[default.index("--output") + 1] == "per_call"
+    merged = build_command(ExperimentConfig(**files, output="per_rollout", credit="discounted"), tmp_path)
+    assert merged[merged.index("--output") + 1] == "per_rollout" and "discounted" in merged
+    with pytest.raises(ConfigError, match="output.*per_turn.*per_call, per_rollout"):
+        ExperimentConfig(**files, output="per_turn")
+
+
 def test_experiment_plot_is_a_small_png(tmp_path):
     pytest.importorskip("matplotlib", reason="pip install 'lightspan[examples]'")
     from lightspan.experiment_report import plot
