@@ -137,6 +137,9 @@ class ExperimentConfig:
     solved_at: float = option(1.0, "A rollout with a reward at least this counts as solved.")
     max_model_len: int = option(1024, "vLLM's --max-model-len when the experiment starts vLLM.")
     rollout_timeout_s: float = option(180.0, "Wall-clock limit per rollout.")
+    trainer_wait_s: float = option(3600.0, "Wall-clock limit on waiting for the trainer to train a step's "
+                                           "transitions (a step of a long-horizon agent's rows took 30 minutes "
+                                           "on 2 busy cores); past it the run stops, naming the trainer's log.")
     disabled_instrumentations: str = option("", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS for the agents (e.g. "
                                                 "'langchain' for an agent that does not use it); empty: inherited.")
     env_map: tuple[str, ...] = option(
@@ -158,6 +161,9 @@ class ExperimentConfig:
             if not getattr(self, name) or not Path(getattr(self, name)).is_file():
                 raise ConfigError("experiment", name, f"task file {getattr(self, name)!r} not found",
                                   f"pass --{name.replace('_', '-')} FILE.jsonl")
+        if not 0 < self.trainer_wait_s < float("inf"):
+            raise ConfigError("experiment", "trainer_wait_s", "must be a positive number of seconds",
+                              "pass --trainer-wait-s 3600, or more for a slow trainer")
         for name in ("steps", "tasks_per_step", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
@@ -281,7 +287,7 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
             requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
             return outcome
 
-        queue = TrainerQueue(data, trainer)
+        queue = TrainerQueue(data, trainer, cfg.trainer_wait_s)
 
         def validate(step: int) -> None:
             stages.time("train + sync (waiting)", queue.wait, 0)      # the newest policy, fully trained

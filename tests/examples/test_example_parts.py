@@ -110,6 +110,8 @@ def test_experiment_builds_the_transitions_it_is_told_to(tmp_path):
     assert merged[merged.index("--output") + 1] == "per_rollout" and "discounted" in merged
     with pytest.raises(ConfigError, match="output.*per_turn.*per_call, per_rollout"):
         ExperimentConfig(**files, output="per_turn")
+    with pytest.raises(ConfigError, match="trainer_wait_s"):
+        ExperimentConfig(**files, trainer_wait_s=0)
 
 
 def test_experiment_plot_is_a_small_png(tmp_path):
