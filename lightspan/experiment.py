@@ -318,10 +318,11 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
             queue.submit(trainable)
             row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], outcome["policy_version"],
                                                  cfg.solved_at, since),
-                   "outcomes": outcome, "transitions": built.get("transitions/calls", 0), "trainable": trainable,
-                   "trained": trainable > 0}
-            log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions (%d with a nonzero advantage)",
-                     step + 1, outcome["ok"], row["reward_mean"], row["transitions"], trainable)
+                   "outcomes": outcome, "transitions": built.get("transitions/sequences", 0),
+                   "calls": built.get("transitions/calls", 0), "trainable": trainable, "trained": trainable > 0}
+            log.info("step %d: %s rollouts ok, reward mean %.3f, %s transitions of %s calls (%d with a nonzero "
+                     "advantage)", step + 1, outcome["ok"], row["reward_mean"], row["transitions"], row["calls"],
+                     trainable)
             results["train"].append(row)
             if step + 1 < cfg.steps and cfg.val_every and (step + 1) % cfg.val_every == 0:
                 validate(step + 1)

@@ -161,6 +161,6 @@ def test_experiment_writes_curve_and_results(vllm_server, tiny_model, tmp_path):
     assert [v["rollouts"] for v in results["val"]] == [2, 2]      # each validation counted once
     assert len(results["train"]) == 1 and results["train"][0]["rollouts"] == 4
     assert results["train"][0]["outcomes"]["ok"] == 4
-    assert results["train"][0]["transitions"] == 4
+    assert results["train"][0]["transitions"] == results["train"][0]["calls"] == 4   # per_call: a row a call
     png = (out / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 200_000
