@@ -6,9 +6,10 @@
 A task's tier is its task line's ``tier`` field (the task files given; a task with none is "-"). Per
 group: rollouts, solved (reward >= ``--solved-at``), partly (0 < reward < solved-at), the mean reward,
 model calls (turns), prompt and completion tokens per rollout (summed over its calls, from the
-captured token ids), the longest prompt, the rollouts' statuses, and the mean of each numeric field
-named by ``--fields`` in the agent's summary line (the last JSON line of its rollout log that has
-the first of them). A validation group's policy version is the version that served its calls.
+captured token ids), the longest prompt, the rollouts' statuses, and for each field named by
+``--fields`` in the agent's summary line (the last JSON line of its rollout log that has the first
+of them) the mean of its numeric values and the count of its string values (up to a first ``:``,
+e.g. an exit status's kind). A validation group's policy version is the version that served its calls.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def summarize(data: Path, tiers: dict[str, str], fields: list[str], solved_at: f
         for name in fields:
             values = [r["line"][name] for r in rs if isinstance(r["line"].get(name), (int, float))]
             group[f"{name}_mean"] = round(mean(values), 2) if values else None
+            kinds = defaultdict(int)
+            for r in rs:
+                if isinstance(r["line"].get(name), str):
+                    kinds[r["line"][name].split(":")[0]] += 1
+            if kinds:
+                group[f"{name}_counts"] = dict(kinds)
         out.append(group)
     return {"data_dir": str(data), "solved_at": solved_at, "groups": out}
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # What the untrained policy solves, per tier: held-out tasks through `lightspan rollout` (mini-swe-agent as
-# agent.py runs it, every call captured), then summarize.py. Starts a collector and vLLM (SmolLM2-135M,
+# agent.py runs it, every call captured), then bench/tiers.py. Starts a collector and vLLM (SmolLM2-135M,
 # served as 'policy', --max-model-len 4096 as the experiment) on ports of its own and stops both at the end.
 #
 #   heavy-slot --slot B nice bash examples/coding/measure.sh OUT.json command:0.7:16 command:0:8
 #
 # Each argument TIER:TEMPERATURE:N runs the first N held-out tasks of TIER (data/val.jsonl) once each at
-# that temperature; temperature 0 is stored as split 'val', any other as 'train' (summarize.py groups by
+# that temperature; temperature 0 is stored as split 'val', any other as 'train' (bench/tiers.py groups by
 # split and tier). CODING_MEASURE_VLLM_URL: use a running vLLM instead of starting one. CODING_CONFIG
 # (agent.py's) picks another mini-swe-agent config. The data directory (a mktemp under /tmp) is removed
 # at the end unless CODING_MEASURE_KEEP=1.
@@ -57,7 +57,7 @@ print("".join(json.dumps({**r, "temperature": float(sys.argv[2])}) + "\n" for r 
     -- unshare --mount --propagation private python examples/coding/agent.py | tail -1
 done
 curl -sf -X POST "http://127.0.0.1:$((port + 2))/v1/flush" >/dev/null
-"$py" examples/coding/summarize.py --data-dir "$data" | "$py" -c 'import json, sys
+"$py" bench/tiers.py --data-dir "$data" --tasks examples/coding/data/val.jsonl --fields cpu_s,exit_status | "$py" -c 'import json, sys
 s = json.load(sys.stdin)
 s.update(runs=sys.argv[2:], wall_s=int(sys.argv[1]), config=__import__("os").environ.get("CODING_CONFIG", "mini.yaml"))
 print(json.dumps(s, indent=1))' "$(($(date +%s) - start))" "$@" >"$out"

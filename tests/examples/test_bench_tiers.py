@@ -57,17 +57,19 @@ def test_groups_per_split_version_and_tier(collector_factory, data_dir, tmp_path
                                                         {"id": "h-1", "tier": "hard"}]) + "\n")
     logs = data_dir / "rollout-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / "r1.log").write_text('INFO x\n{"score": 100, "steps": 4}\n')
-    (logs / "r2.log").write_text('{"score": 25, "steps": 8}\n{"other": 1}\n')
+    (logs / "r1.log").write_text('INFO x\n{"score": 100, "steps": 4, "exit": "Submitted"}\n')
+    (logs / "r2.log").write_text('{"score": 25, "steps": 8, "exit": "LimitsExceeded: 6 steps"}\n{"other": 1}\n')
     (logs / "r3.log").write_text('{"score": 0, "steps": "?"}\nnot json {"score"\n')
 
-    out = tiers.summarize(data_dir, tiers.tiers_of([tasks]), ["score", "steps"])
+    out = tiers.summarize(data_dir, tiers.tiers_of([tasks]), ["score", "steps", "exit"])
     groups = {(g["split"], g["policy_version"], g["tier"]): g for g in out["groups"]}
     assert sorted(groups) == [("train", 0, "-"), ("train", 0, "easy"), ("train", 0, "hard"), ("val", 1, "easy")]
     easy = groups[("train", 0, "easy")]
     assert (easy["rollouts"], easy["solved"], easy["partly"], easy["reward_mean"]) == (2, 1, 1, 0.625)
     assert (easy["turns_mean"], easy["prompt_tokens_mean"], easy["completion_tokens_mean"]) == (1.5, 22, 4)   # 4.5 rounds to even
     assert easy["longest_prompt_max"] == 20 and (easy["score_mean"], easy["steps_mean"]) == (62.5, 6)
+    assert easy["exit_counts"] == {"Submitted": 1, "LimitsExceeded": 1} and easy["exit_mean"] is None
+    assert "exit_counts" not in groups[("train", 0, "hard")]
     hard = groups[("train", 0, "hard")]
     assert (hard["solved"], hard["partly"], hard["turns_mean"], hard["prompt_tokens_mean"]) == (0, 0, 3, 120)
     assert hard["score_mean"] == 0 and hard["steps_mean"] is None          # "?" is not a number
