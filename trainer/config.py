@@ -142,6 +142,12 @@ class TrainerConfig:
                        "train as data arrives; 'every': a 'once' run on the schedule given by --every.",
                        choices=MODES)
     every: str = option("", "Schedule of mode 'every', a duration such as '30m', '10s', '1h30m'.")
+    hold_while_canary: bool = option(
+        True, "While the trainer's latest version is a canary the gateway has not decided yet (the deployments "
+        "table: [canary] enabled), train and publish nothing: a newer version would replace the canary before its "
+        "decision, so with a period shorter than a decision takes (every mode at a traffic's pace) no canary is ever "
+        "decided. On by default: it changes nothing without canaries, and with canaries an undecided version is "
+        "not built upon. Off: train on every round, each new version superseding the canary.")
     poll_interval_s: float = option(1.0, "Seconds between polls for new transitions in continuous mode.")
     max_steps: int = option(0, "Stop continuous mode after this many steps; 0 = unlimited.")
     # supervised fine-tuning on captured calls (trainer/sft.py)

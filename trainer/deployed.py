@@ -15,6 +15,14 @@ of the trainer.
    trainer and start it from the serving checkpoint instead. When what serves is not a trainer
    checkpoint (the initial model directory of a run with reload sync), a warning says so and
    training goes on from the rolled-back version.
+3. **Wait for the decision** (``hold_while_canary``, on by default). While the version the trainer
+   stands at is the undecided canary, a round trains and publishes nothing (:func:`hold_reason`,
+   :func:`follow`): a newer version would replace the canary before its decision (the gateway
+   makes every newer version the candidate), and at a traffic's pace a decision can take longer
+   than a schedule's period, so no canary would ever be decided. The transitions wait; once the
+   canary is promoted or rolled back the next round trains on them (after a rollback, from the
+   serving version: 2.). A canary of another version (the gateway has not yet planned the
+   trainer's newer one, or the trainer resumed an older checkpoint) holds nothing.
 """
 
 from __future__ import annotations
@@ -105,4 +113,28 @@ def follow_rollback(trainer) -> bool:
     log.warning("%sversion %d was rolled back: training goes on from the serving version's checkpoint %s "
                 "(the next version is %d)", f"{trainer.policy}: " if trainer.policy else "", version, checkpoint,
                 version + 1)
+    return True
+
+
+def hold_reason(d: deployments.Deployment | None, version: int, *, enabled: bool = True) -> str | None:
+    """Why a round must not train on from ``version`` (the trainer's latest published version): it
+    is the undecided canary of deployment ``d``; None (train) when it is not, or ``enabled`` is off."""
+    if not enabled or d is None or d.candidate != version or d.decided(version):
+        return None
+    return f"holding version {version + 1}: the canary of version {version} is not decided yet"
+
+
+def follow(trainer) -> bool:
+    """Before a round's step: follow a rollback (:func:`follow_rollback`), then whether to hold
+    (:func:`hold_reason`; rank 0 decides for every rank). A hold is logged once and counted each round."""
+    follow_rollback(trainer)
+    reason = trainer.from_main(hold_reason(current(trainer.data_dir, trainer.policy), trainer.version,
+                                           enabled=trainer.config.hold_while_canary))
+    if reason is None:
+        trainer.holding = None
+        return False
+    if trainer.holding != trainer.version:
+        trainer.holding = trainer.version
+        log.info("%s%s", f"{trainer.policy}: " if trainer.policy else "", reason)
+    trainer.metrics.round_held()
     return True

@@ -114,14 +114,13 @@ class Trainer:
                               "which under FSDP is a shard", "pass --sync lora (vLLM loads the adapter), or "
                               "launch with deploy/accelerate/ddp.yaml")
         # the resume state (checkpoints.RESUME_STATE), set by load_or_init
-        self.version = 0
-        self.cursor = Cursor()
-        self.run_id = ""
+        self.version, self.cursor, self.run_id = 0, Cursor(), ""
         self.model = self.optimizer = self.ref_model = self.tokenizer = None
         self.model_source: Path | None = None     # where tokenizer files are copied from
         self.served_at_start: Path | None = None  # what vLLM serves before the first push
         self.param_names: list[str] = []          # the optimizer's parameters, in its order
         self.restored: set[int] = set()           # rolled-back versions left for the serving one (deployed.py)
+        self.holding: int | None = None           # the undecided canary a hold waits on (deployed.py)
 
     # ---- for the driver ---------------------------------------------------------------------
     @property
@@ -379,7 +378,8 @@ class Trainer:
 
     def train_once(self) -> dict | None:
         """One step if there is a batch: returns the train_steps row, or None."""
-        deployed.follow_rollback(self)         # a rolled-back version is not built upon
+        if deployed.follow(self):              # rolled back: from what serves; an undecided canary: hold
+            return None
         batch = self._on_main(lambda: store.retry_vanished(self.next_batch))
         if batch is None:
             return None

@@ -55,6 +55,8 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "transitions_masked_total": (("Transitions left out with loss weight 0 (the rows of a rollout the builder "
                                   "masked: in its group's baseline, not in the loss)."), "masked"),
     "sync_failures_total": ("Weight syncs that failed (SyncError).", None),
+    "rounds_held_total": (("Rounds that trained nothing because the trainer's latest version is a canary not "
+                           "decided yet (hold_while_canary)."), None),
     "entropy_below_floor_total": ("Steps whose mean per-token entropy fell below entropy_floor (exploration "
                                   "collapsing).", "entropy_below_floor"),
 }
@@ -117,6 +119,10 @@ class TrainerMetrics:
     def sync_failed(self) -> None:
         with self._lock:
             self.counters["sync_failures_total"] += 1
+
+    def round_held(self) -> None:
+        with self._lock:
+            self.counters["rounds_held_total"] += 1
 
     def render(self) -> str:
         """The exposition page."""

@@ -149,19 +149,22 @@ for stage in "$@"; do
       builds & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
       # a version every EVERY: 4 simulated hours at 60 s an hour, about what a canary's decision takes
       # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late),
-      # so that a candidate is mostly decided before the next one supersedes it
+      # so that a candidate is mostly decided before the next one supersedes it; --hold-while-canary (the
+      # default, explicit here): a round trains nothing while the latest version's canary is undecided
       # --verify-sync false: the sync check's prompt_logprobs request, batched with the users' requests
       # on a LoRA adapter, kills vLLM's CPU engine (docs/architecture.md, "einsum(): subscript b")
       $LS train --mode every --every "${EVERY:-4m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
-        --verify-sync false >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
+        --verify-sync false --hold-while-canary true >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
       mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       stop "$TRAIN_PID"; mark bad_train
       # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
       # after the scheduled trainer's last step, built now); the canary must roll it back
+      # (--hold-while-canary false: it is published even while the last scheduled version's canary runs)
       touch "$DATA/.builds-stop"; wait "$BUILDS_PID" || true       # one build at a time
       before=$(version)
       build
-      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 >"$LOGS/bad.log" 2>&1
+      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 --hold-while-canary false \
+        >"$LOGS/bad.log" 2>&1
       bad=$(version)
       [ "$bad" -gt "$before" ] || { echo "run.sh: the bad version was not trained ($LOGS/bad.log says why)" >&2; exit 1; }
       mark bad_traffic "\"version\": $bad"
