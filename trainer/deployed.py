@@ -87,13 +87,13 @@ def restore(model, optimizer, checkpoint: Path, *, adapter: str, learning_rate: 
         group.update(lr=learning_rate, weight_decay=weight_decay)
 
 
-def follow_rollback(trainer) -> bool:
+def follow_rollback(trainer, d: deployments.Deployment | None = None) -> bool:
     """If ``trainer``'s version was rolled back, restore the serving version into it (once per
-    version in this process); whether it did."""
+    version in this process); whether it did. ``d``: the policy's deployment, read here if not given."""
     version = trainer.version
     if version in trainer.restored:
         return False
-    d = current(trainer.data_dir, trainer.policy)
+    d = d or current(trainer.data_dir, trainer.policy)
     checkpoint = rolled_back_to(d, version)
     if checkpoint is None:
         if d is not None and version in d.rolled_back:
@@ -127,9 +127,9 @@ def hold_reason(d: deployments.Deployment | None, version: int, *, enabled: bool
 def follow(trainer) -> bool:
     """Before a round's step: follow a rollback (:func:`follow_rollback`), then whether to hold
     (:func:`hold_reason`; rank 0 decides for every rank). A hold is logged once and counted each round."""
-    follow_rollback(trainer)
-    reason = trainer.from_main(hold_reason(current(trainer.data_dir, trainer.policy), trainer.version,
-                                           enabled=trainer.config.hold_while_canary))
+    d = current(trainer.data_dir, trainer.policy)      # the deployment state, read once a round
+    follow_rollback(trainer, d)
+    reason = trainer.from_main(hold_reason(d, trainer.version, enabled=trainer.config.hold_while_canary))
     if reason is None:
         trainer.holding = None
         return False
