@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 
 # the call whose response the client is decoding right now (set around the call): the JSON hook feeds it
 FEEDING: contextvars.ContextVar = contextvars.ContextVar("lightspan_feeding", default=None)
+_Straight = straight.Straight
 
 
 def should_capture(base_url: str, path: str, capture_urls=None, client: str = "openai") -> bool:
@@ -95,11 +96,16 @@ def read(call: Call, raw):
     """Decode a captured call's JSON (a body, or one stream event) and read it into ``call``; returns
     what the client gets (for a converted answer: the Response or Anthropic message made of it)."""
     data = loads(raw)
-    if type(call) is straight.Straight:   # (the straight line: the general path's call if it cannot read it)
+    if type(call) is _Straight:   # (the straight line: the general path's call if it cannot read it)
         message = call.answer(data)
         if message is not None:
             return message
         call = call.general()
+    return _read(call, data)
+
+
+def _read(call: Call, data):
+    """:func:`read` of decoded JSON, by the general path's call."""
     if type(data) is dict:
         try:
             if call.output is not None:
@@ -125,6 +131,12 @@ def _response_json_hook(original):
         call = FEEDING.get()
         if call is None or kwargs:
             return original(self, **kwargs)
+        if type(call) is _Straight:   # (``read`` written out: the straight line's plain answer)
+            data = loads(self.content)
+            message = call.answer(data)
+            if message is not None:
+                return message
+            return _read(call.general(), data)
         return read(call, self.content)
     return json
 
@@ -180,7 +192,7 @@ def _straight_post(client: Client, wrapped, instance, args, kwargs):
     line = None if kwargs.get("stream") else straight.prepare(client, instance, args, kwargs)
     if line is None:
         return _sync_post(client, wrapped, instance, args, kwargs)
-    call, args, kwargs = line
+    call, args = line
     try:
         token = FEEDING.set(call)
         try:
@@ -198,7 +210,7 @@ def _straight_post(client: Client, wrapped, instance, args, kwargs):
     if call.call is not None or not call.done:   # the general path reads or has read it
         return _answered(resp, call.general())
     if call.values is not None:   # (read, not recorded yet: a span of our own)
-        call.record()
+        call.record(call.values)
     if call.owned:
         call.span.end()
     return resp

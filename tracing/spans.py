@@ -45,7 +45,7 @@ TRACELOOP_RESPONSES_SPAN = "openai.response"
 def is_llm_span(span) -> bool:
     """A live SDK span that describes one LLM call (GenAI or traceloop's older operation name)."""
     attrs = getattr(span, "attributes", None)
-    if not attrs:
+    if attrs is None:   # (an empty mapping reads no operation: no ``len`` asked of the SDK's attributes)
         return False
     op = attrs.get(semconv.GEN_AI_OPERATION_NAME) or attrs.get(semconv.LLM_REQUEST_TYPE)
     return op in semconv.LLM_OPERATIONS
@@ -104,9 +104,10 @@ class Nesting(SpanProcessor):
         call = self.adopting.get()
         if call is not None and is_llm_span(span):
             self.adopting.set(None)
-            self._nest(span, parent_context)
+            nested = self._nest(span, parent_context)
             call.adopt(span)
-            mark_enclosing(span)
+            if nested:   # (else no LLM span encloses it)
+                mark_enclosing(span)
             return
         ours = self.responses_call.get()
         if ours is not None:
@@ -123,19 +124,22 @@ class Nesting(SpanProcessor):
         except ValueError:   # (a token of another context: never break the agent's call over telemetry)
             self.adopting.set(None)
 
-    def _nest(self, span, parent_context) -> None:
+    def _nest(self, span, parent_context) -> bool:
+        """Remember the LLM span enclosing ``span``, if any; whether there is one."""
         parent = trace.get_current_span(parent_context)
         if not parent.is_recording():
-            return
+            return False
         try:
             if parent in self.owned and is_llm_span(span):
                 mark_duplicate(span, parent)   # a client library's own span of our call
-                return
+                return False
             outer = parent if is_llm_span(parent) else self.enclosing.get(parent)
             if outer is not None:
                 self.enclosing[span] = outer
+                return True
         except TypeError:  # a span type that cannot be weakly referenced: no nesting to track
             pass
+        return False
 
 
 NESTING = Nesting()

@@ -19,15 +19,18 @@ are read once per call, as it is prepared (the general path reads them again as 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from itertools import compress
 from operator import itemgetter, not_
+from struct import pack
 
+import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from lightspan.tracing import hooks, messages, semconv, spans
+from lightspan.tracing import hooks, semconv, spans
 from lightspan.tracing.call import _VARIABLES, Call, _settings, _start_attributes, _start_names
 from lightspan.tracing.calls import _converted_path, _protocol_of, _route
 from lightspan.tracing.clients import _anthropic_prepare
@@ -42,41 +45,49 @@ PROTOCOL = anthropic_messages.PROTOCOL
 _RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"
 _LOGPROB = itemgetter("logprob")   # (each token's, in C)
 _OP, _LLM_TYPE, _LLM_OPERATIONS = semconv.GEN_AI_OPERATION_NAME, semconv.LLM_REQUEST_TYPE, semconv.LLM_OPERATIONS
+_SUPPRESS = spans.SUPPRESS_LLM_KEY
 _PROMPT, _IDS, _LOGPROBS = semconv.PROMPT_TOKEN_IDS, semconv.COMPLETION_TOKEN_IDS, semconv.COMPLETION_LOGPROBS
 _STATUS, _REASONS = semconv.CAPTURE_STATUS, semconv.GEN_AI_RESPONSE_FINISH_REASONS
+_TEMPERATURE, _VERSION, _POLICY = semconv.GEN_AI_REQUEST_TEMPERATURE, semconv.MODEL_VERSION, semconv.POLICY_NAME
+_INPUTS, _OUTPUTS = semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES
 _ERROR = {semconv.CAPTURE_STATUS: "capture_error", semconv.CAPTURE_REASON: REASONS["capture_error"]}
+_ADOPTING = spans.NESTING.adopting   # (the one Nesting's: made once)
 
 
 class _Line:
     """What a call of one client's base URL and path, under one reading of the variables, shares."""
-    __slots__ = ("chat_path", "settings", "response", "models", "sentinel")
+    __slots__ = ("client", "chat_path", "settings", "response", "models", "sentinel")
 
-    def __init__(self, chat_path: str, settings, response: type):
-        self.chat_path, self.settings, self.response = chat_path, settings, response
+    def __init__(self, client, chat_path: str, settings, response: type):
+        self.client, self.chat_path, self.settings, self.response = client, chat_path, settings, response
         self.models: dict = {}
         self.sentinel = _anthropic_prepare()[2]   # whether a type is one of the client's sentinels
 
     def model(self, model: str) -> "_Model":
         found = self.models.get(model)
         if found is None:
-            found = self.models[model] = _Model(model, self.settings)
+            found = self.models[model] = _Model(self, model)
         return found
 
 
 class _Model:
-    """What a call of one model shares: its span's name and the constant part of its attributes."""
-    __slots__ = ("model", "name", "adopted")
+    """What a call of one model on one :class:`_Line` shares: its span's name, the constant part of
+    its attributes, what the variables say (read off the line's settings once)."""
+    __slots__ = ("line", "model", "name", "adopted", "content", "versions", "version")
 
-    def __init__(self, model: str, settings):
-        self.model, self.name = model, f"{PROTOCOL.operation} {model}".strip()
-        self.adopted = _start_names(PROTOCOL.operation, model, PROTOCOL.provider, settings.opt_in, True)
+    def __init__(self, line: _Line, model: str):
+        now = line.settings
+        self.line, self.model, self.name = line, model, f"{PROTOCOL.operation} {model}".strip()
+        self.adopted = _start_names(PROTOCOL.operation, model, PROTOCOL.provider, now.opt_in, True)
+        self.content, self.versions = now.content, now.policy_versions
+        self.version = None if now.model_version is None else int(now.model_version)
 
 
 @functools.lru_cache(maxsize=64)
-def _line(base: str, path: str, raw: tuple, client: str) -> _Line | None:
-    """The :class:`_Line` of calls to ``path`` of a client of ``base``, None when they go the
+def _line(base: str, path: str, raw: tuple, client) -> _Line | None:
+    """The :class:`_Line` of calls to ``path`` of a ``client`` of ``base``, None when they go the
     general way (another protocol, not a capture URL, Agent Lightning's proxy, no HTTP library)."""
-    if _protocol_of(path, client) is not PROTOCOL:
+    if _protocol_of(path, client.name) is not PROTOCOL:
         return None
     now = _settings(raw)
     captured, agl = _route(base, path, now.capture_urls, now.agl_base_url)
@@ -84,31 +95,45 @@ def _line(base: str, path: str, raw: tuple, client: str) -> _Line | None:
     http = getattr(module, "httpx2", None) or getattr(module, "httpx", None)
     if not captured or agl or http is None:
         return None
-    return _Line(_converted_path(path, PROTOCOL.name), now, http.Response)
+    return _Line(client, _converted_path(path, PROTOCOL.name), now, http.Response)
 
 
 _LAST: list = [(None, None, None, None)]   # (base URL object, path, variables, its line) of the last call
+_ENV: list = [None, None, None]   # (os.environ, what reads a variable's raw value from it, the variables' keys)
+
+
+def _environ() -> list:
+    """:data:`_ENV` for ``os.environ`` now: :func:`.semconv.env_raw`'s reading of the variables,
+    its look-ups made once (``os.environ`` keeps its dict of encoded values for its life)."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if type(data) is dict:
+        _ENV[:] = [environ, data.get, tuple(map(environ.encodekey, _VARIABLES))]
+    else:   # (a test's plain dict)
+        _ENV[:] = [environ, environ.get, _VARIABLES]
+    return _ENV
 
 
 def prepare(client, instance, args, kwargs):
-    """(the :class:`Straight` call, the ``post`` positional and keyword arguments to call with) of a
-    call that takes the straight line, else None (nothing done: the general steps take it)."""
+    """(the :class:`Straight` call, the ``post`` positional arguments to call with) of a call that
+    takes the straight line, its keyword arguments made the ones to call with (``body``,
+    ``options``, ``path``), else None (nothing done, nothing changed: the general steps take it)."""
     body = kwargs.get("body")
     options = kwargs.get("options")
-    if type(body) is not dict or type(options) is not dict or not ON[0] or kwargs.get("stream") or body.get("stream"):
+    if type(body) is not dict or type(options) is not dict or not ON[0]:   # (a stream: ``"stream" in chat``)
         return None
-    if "headers" in options:
-        headers = options["headers"]
-        if headers and (type(headers) is not dict or headers.get(_RAW_RESPONSE_HEADER) is not None):
-            return None
+    headers = options.get("headers")
+    if headers and (type(headers) is not dict or headers.get(_RAW_RESPONSE_HEADER) is not None):
+        return None
     path = args[0] if args else kwargs.get("path", "")
     url = getattr(instance, "base_url", "")
-    raw = semconv.env_raw(_VARIABLES)
+    env = _ENV if os.environ is _ENV[0] else _environ()
+    raw = tuple(map(env[1], env[2]))   # (``semconv.env_raw(_VARIABLES)``)
     last = _LAST[0]
     if last[0] is not url or last[1] != path or last[2] != raw:
         if type(path) is not str:
             return None
-        last = _LAST[0] = (url, path, raw, _line(str(url), path, raw, client.name))
+        last = _LAST[0] = (url, path, raw, _line(str(url), path, raw, client))
     line = last[3]
     if line is None or not hooks.hooked(line.response):
         return None
@@ -123,37 +148,36 @@ def prepare(client, instance, args, kwargs):
     chat = common_chat(given, capture=True)
     if chat is None or "stream" in chat:
         return None
-    current = trace.get_current_span()   # (an LLM span of another instrumentation's, or a framework's)
-    attrs = getattr(current, "attributes", None)
+    now = otel_context.get_current()   # (an LLM span of another instrumentation's, or a framework's)
+    attrs = getattr(trace.get_current_span(now), "attributes", None)
     if (attrs and (attrs.get(_OP) or attrs.get(_LLM_TYPE)) in _LLM_OPERATIONS) or (
-            spans.NESTING.active and otel_context.get_value(spans.SUPPRESS_LLM_KEY)):
+            spans.NESTING.active and now.get(_SUPPRESS)):
         return None
     model = chat["model"]
-    call = Straight(client, line, line.models.get(model) or line.model(model), given, chat)
+    call = Straight(line.models.get(model) or line.model(model), given, chat)
+    kwargs["body"], kwargs["options"] = chat, options   # (wrapt's: the wrapper's own dict)
     if args:
-        call.path = line.chat_path
         args = (line.chat_path, *args[1:])
-        kwargs = {**kwargs, "body": chat, "options": options}
     else:
-        kwargs = {**kwargs, "body": chat, "options": options, "path": line.chat_path}
+        kwargs["path"] = line.chat_path
     if client.own_spans and getattr(instance, "_tracer", None) is not None:   # the SDK's span, adopted as it starts
-        call.deferred = (spans.NESTING.adopting.set(call), time.time_ns())
+        call.deferred = (_ADOPTING.set(call), time.time_ns())
     else:
         call.span, call.owned = spans.open_span(call.model.name, call.start()), True
-    return call, args, kwargs
+    return call, args
 
 
 class Straight:
     """A call on the straight line (module docstring): its request, span, and answer's values."""
-    path = span = deferred = call = values = None   # (class defaults: each call sets few of them)
+    span = deferred = call = values = None   # (class defaults: each call sets few of them)
     owned = adopted = done = False
 
-    def __init__(self, client, line: _Line, model: _Model, given: dict, chat: dict):
-        self.client, self.line, self.model, self.given, self.chat = client, line, model, given, chat
+    def __init__(self, model: _Model, given: dict, chat: dict):
+        self.model, self.given, self.chat = model, given, chat
 
     def start(self, adopted: bool = False) -> dict:
         """The start attributes of the call's span (``_start_attributes``'s)."""
-        now = self.line.settings
+        now = self.model.line.settings
         return _start_attributes(PROTOCOL, self.model.model, self.given, [], now.content, adopted, now.opt_in)
 
     def adopt(self, span) -> None:
@@ -165,31 +189,34 @@ class Straight:
     def general(self) -> Call:
         """The general path's :class:`~.call.Call` of this call, from now on (before its answer is read)."""
         if self.call is None:
-            now, model = self.line.settings, self.model.model
-            call = self.call = Call(self.client, PROTOCOL, SimpleCapture(self.given, self.chat), False)
-            call.path, call.content, call.name = self.path, now.content, self.model.name
-            call.start = functools.partial(_start_attributes, PROTOCOL, model, self.given, [], now.content)
+            line, model = self.model.line, self.model.model
+            call = self.call = Call(line.client, PROTOCOL, SimpleCapture(self.given, self.chat), False)
+            call.content, call.name = line.settings.content, self.model.name
+            call.start = functools.partial(_start_attributes, PROTOCOL, model, self.given, [], line.settings.content)
             call.span, call.owned, call.adopted, call.deferred = self.span, self.owned, self.adopted, self.deferred
             self.deferred = None
         return self.call
 
     def settle(self) -> None:
-        """``Call.settle``: the client's ``post`` returned or raised."""
-        if self.call is not None:
-            self.call.settle()
+        """``Call.settle``: the client's ``post`` returned or raised (``spans.NESTING.stop_adopting``
+        written out: the SDK's span, if any, has started by now)."""
+        deferred = self.deferred
+        if deferred is None:
+            if self.call is not None:
+                self.call.settle()
             return
-        if self.deferred is None:
-            return
-        token, start_ns = self.deferred
         self.deferred = None
-        spans.NESTING.stop_adopting(token)
+        try:
+            _ADOPTING.reset(deferred[0])
+        except ValueError:   # (a token of another context: never break the agent's call over telemetry)
+            _ADOPTING.set(None)
         if self.span is None:
-            self.span, self.owned = spans.open_span(self.model.name, self.start(), start_time=start_ns), True
+            self.span, self.owned = spans.open_span(self.model.name, self.start(), start_time=deferred[1]), True
 
     def answer(self, data) -> dict | None:
         """The caller's message of a plain answer (recorded at once on an adopted span, as the
         general path does), else None: the general path reads it."""
-        if self.call is not None or type(data) is not dict:
+        if self.call is not None:
             return None
         try:   # (subscripts: of JSON data, only what the general path reads the same way gets past them)
             (choice,) = data["choices"]
@@ -202,47 +229,80 @@ class Straight:
             text = part.get("content")
             if text is not None and type(text) is not str:
                 return None
-            packed = (semconv.encode_ids(prompt), semconv.encode_ids(ids),
-                      semconv.encode_floats(list(map(_LOGPROB, content))))
+            # ``semconv.encode_ids`` and ``encode_floats`` of lists, written out (struct's ``<f`` is
+            # ``array("f")``'s float32, little-endian; it refuses a finite double beyond float32's range)
+            n, count = len(prompt), len(ids)
+            packed = (pack(f"<{n}i", *prompt), pack(f"<{count}i", *ids), pack(f"<{count}f", *map(_LOGPROB, content)))
             finish = choice.get("finish_reason")
             reason, sequence = stop_reason(finish, choice.get("stop_reason"), False, False)
-            message = _message(data, text, reason, sequence)
+            # ``anthropic_convert.message_of`` of a plain answer (its ``usage`` without cached prompt tokens written out)
+            message = {"id": data.get("id") or f"msg_{int(time.time() * 1000)}", "type": "message",
+                       "role": "assistant", "content": [{"type": "text", "text": text or ""}], "model": data.get("model")}
+            if reason is not None:
+                message["stop_reason"] = reason
+            if sequence is not None:
+                message["stop_sequence"] = sequence
+            u = data.get("usage")
+            if u and not u.get("prompt_tokens_details"):
+                message["usage"] = {"input_tokens": max(0, u.get("prompt_tokens") or 0),
+                                    "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                                    "output_tokens": u.get("completion_tokens") or 0}
+            else:
+                message["usage"] = usage(u)
+            if "kv_transfer_params" in data and data["kv_transfer_params"] is not None:
+                message["kv_transfer_params"] = data["kv_transfer_params"]
+            if "ec_transfer_params" in data and data["ec_transfer_params"] is not None:
+                message["ec_transfer_params"] = data["ec_transfer_params"]
         except Exception:
             return None
-        self.values, self.done = (data.get("model"), packed, len(prompt), len(ids), reason or finish, text, finish,
-                                  reason), True
+        self.done = True
+        values = (data.get("model"), packed, n, count, reason or finish, text, finish, reason)
         if self.adopted:   # the client ends its span of the call once it has read this
-            self.record()
+            self.record(values)
+        else:
+            self.values = values
         return message
 
-    def record(self) -> None:
+    def record(self, values: tuple) -> None:
         """Every attribute the general path sets for the answer read, in one ``set_attributes``; counted."""
-        values, self.values = self.values, None
-        span = self.span
+        span, m = self.span, self.model
         try:
             model, (prompt, ids, logprobs), prompt_tokens, output_tokens, finish, text, raw_finish, reason = values
             if self.adopted and getattr(span, "end_time", None) is not None:   # (``Call._live``)
-                span = self.span = spans.open_span(self.model.name, self.start(), start_time=span.start_time)
+                span = self.span = spans.open_span(m.name, self.start(), start_time=span.start_time)
                 self.owned, self.adopted = True, False
-            now = self.line.settings
-            versions = now.policy_versions
-            if versions:
-                served = model or getattr(span, "attributes", {}).get(semconv.GEN_AI_REQUEST_MODEL)
-                policy, version = (served, versions[served]) if served in versions else (None, now.model_version)
-            else:
-                policy, version = None, now.model_version
             attrs = {_PROMPT: prompt, _IDS: (ids,), _LOGPROBS: (logprobs,), _STATUS: CAPTURED}
-            if version is not None:
-                attrs[semconv.MODEL_VERSION] = int(version)
+            versions = m.versions
+            if versions:   # (``served_policy``)
+                served = model or getattr(span, "attributes", {}).get(semconv.GEN_AI_REQUEST_MODEL)
+                if served in versions:
+                    attrs[_VERSION] = int(versions[served])
+                    policy = served
+                else:
+                    policy = None
+                    if m.version is not None:
+                        attrs[_VERSION] = m.version
+            else:
+                policy = None
+                if m.version is not None:
+                    attrs[_VERSION] = m.version
             temperature = self.chat.get("temperature")
             if temperature is not None:
-                attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = float(temperature)
+                attrs[_TEMPERATURE] = float(temperature)
             if policy is not None:
-                attrs[semconv.POLICY_NAME] = policy
+                attrs[_POLICY] = policy
             if self.adopted:
-                attrs.update(self.model.adopted)
-                if now.content:
-                    attrs[semconv.GEN_AI_INPUT_MESSAGES] = messages.dumps(_inputs(self.given))
+                attrs.update(m.adopted)
+                if m.content:   # (``anthropic_input`` of the common request, from its chat messages)
+                    inputs, last = [], None
+                    for turn in self.chat["messages"]:
+                        role = turn["role"]
+                        if role == last:
+                            inputs[-1]["parts"].append({"type": "text", "content": turn["content"]})
+                        else:
+                            inputs.append({"role": role, "parts": [{"type": "text", "content": turn["content"]}]})
+                            last = role
+                    attrs[_INPUTS] = orjson.dumps(inputs).decode()
             else:
                 if model:
                     attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(model)
@@ -250,51 +310,17 @@ class Straight:
                 attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
             if finish:
                 attrs[_REASONS] = (finish,)
-            if now.content:
-                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = messages.dumps([{
+            if m.content:   # (``messages.dumps``: text only, no ``default`` needed)
+                attrs[_OUTPUTS] = orjson.dumps([{
                     "role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
-                    "finish_reason": reason or raw_finish or None}])
+                    "finish_reason": reason or raw_finish or None}]).decode()
         except Exception:   # never break the agent's call over telemetry
             attrs = _ERROR
         if span.is_recording():
             span.set_attributes(attrs)
+        report = REPORT
         if attrs is _ERROR:
-            REPORT.count(attrs[_STATUS], attrs[semconv.CAPTURE_REASON])
-        else:
-            REPORT.captured()
-
-
-def _message(chat: dict, text: str | None, reason: str | None, sequence: str | None) -> dict:
-    """``message_of`` of a plain answer (its ``usage`` without cached prompt tokens written out)."""
-    out = {"id": chat.get("id") or f"msg_{int(time.time() * 1000)}", "type": "message", "role": "assistant",
-           "content": [{"type": "text", "text": text or ""}], "model": chat.get("model")}
-    if reason is not None:
-        out["stop_reason"] = reason
-    if sequence is not None:
-        out["stop_sequence"] = sequence
-    u = chat.get("usage")
-    if u and not u.get("prompt_tokens_details"):
-        out["usage"] = {"input_tokens": max(0, u.get("prompt_tokens") or 0), "cache_creation_input_tokens": 0,
-                        "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0}
-    else:
-        out["usage"] = usage(u)
-    if "kv_transfer_params" in chat and chat["kv_transfer_params"] is not None:
-        out["kv_transfer_params"] = chat["kv_transfer_params"]
-    if "ec_transfer_params" in chat and chat["ec_transfer_params"] is not None:
-        out["ec_transfer_params"] = chat["ec_transfer_params"]
-    return out
-
-
-def _inputs(body: dict) -> list:
-    """``anthropic_input`` of a request of the common shape: text turns, a string system prompt."""
-    system = body.get("system")
-    out = [{"role": "system", "parts": [{"type": "text", "content": system}]}] if system else []
-    last = None
-    for turn in body["messages"]:
-        role, part = turn["role"], {"type": "text", "content": turn["content"]}
-        if role == last:
-            out[-1]["parts"].append(part)
-        else:
-            out.append({"role": role, "parts": [part]})
-            last = role
-    return out
+            report.count(attrs[_STATUS], attrs[semconv.CAPTURE_REASON])
+        else:   # (``Report.captured``)
+            with report.lock:
+                report.counts[CAPTURED] += 1

@@ -62,26 +62,40 @@ def common_chat(body: dict, capture: bool = False) -> dict | None:
         messages.append({"role": role, "content": content})
     chat = {"model": model, "messages": messages, "max_tokens": max_tokens, "max_completion_tokens": max_tokens}
     if len(body) > 3 + ("system" in body):   # a sampling field or ``stream``
-        value = body.get("stop_sequences")   # (each field's test written out: most requests have one or two)
-        if value is not None:
-            if type(value) is not list or any(type(v) is not str for v in value):
+        # (each field's test written out, in ``_NUMBERS``' order: most requests have one or two)
+        if "stop_sequences" in body:
+            value = body["stop_sequences"]
+            if value is not None:
+                if type(value) is not list or any(type(v) is not str for v in value):
+                    return None
+                chat["stop"] = value
+        if "temperature" in body:
+            value = body["temperature"]
+            if value is not None:
+                if type(value) not in _NUMBER:
+                    return None
+                chat["temperature"] = value
+        if "top_p" in body:
+            value = body["top_p"]
+            if value is not None:
+                if type(value) not in _NUMBER:
+                    return None
+                chat["top_p"] = value
+        if "top_k" in body:
+            value = body["top_k"]
+            if value is not None:
+                if type(value) not in _NUMBER:
+                    return None
+                chat["top_k"] = value
+        if "stream" in body:
+            stream = body["stream"]
+            if stream:
+                if stream is not True:
+                    return None
+                chat["stream"] = True
+                chat["stream_options"] = dict(_STREAM_OPTIONS)
+            elif stream is not None and stream is not False:
                 return None
-            chat["stop"] = value
-        for ours in _NUMBERS:
-            if ours in body:
-                value = body[ours]
-                if value is not None:
-                    if type(value) not in _NUMBER:
-                        return None
-                    chat[ours] = value
-        stream = body.get("stream")
-        if stream:
-            if stream is not True:
-                return None
-            chat["stream"] = True
-            chat["stream_options"] = dict(_STREAM_OPTIONS)
-        elif stream is not None and stream is not False:
-            return None
     if capture:
         chat["return_token_ids"] = chat["logprobs"] = True
     return chat
