@@ -210,7 +210,7 @@ def _straight_post(client: Client, wrapped, instance, args, kwargs):
     if call.call is not None or not call.done:   # the general path reads or has read it
         return _answered(resp, call.general())
     if call.values is not None:   # (read, not recorded yet: a span of our own)
-        call.record(call.values)
+        call.record(*call.values)
     if call.owned:
         call.span.end()
     return resp

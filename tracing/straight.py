@@ -253,44 +253,44 @@ class Straight:
                 message["kv_transfer_params"] = data["kv_transfer_params"]
             if "ec_transfer_params" in data and data["ec_transfer_params"] is not None:
                 message["ec_transfer_params"] = data["ec_transfer_params"]
+            # the attributes that do not depend on the span (``record`` adds the rest)
+            attrs = {_PROMPT: packed[0], _IDS: (packed[1],), _LOGPROBS: (packed[2],), _STATUS: CAPTURED}
+            temperature = self.chat.get("temperature")
+            if temperature is not None:
+                attrs[_TEMPERATURE] = float(temperature)
+            if reason or finish:
+                attrs[_REASONS] = (reason or finish,)
+            if self.model.content:   # (``messages.dumps``: text only, no ``default`` needed)
+                attrs[_OUTPUTS] = orjson.dumps([{
+                    "role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
+                    "finish_reason": reason or finish or None}]).decode()
         except Exception:
             return None
         self.done = True
-        values = (data.get("model"), packed, n, count, reason or finish, text, finish, reason)
         if self.adopted:   # the client ends its span of the call once it has read this
-            self.record(values)
+            self.record(attrs, data.get("model"), n, count)
         else:
-            self.values = values
+            self.values = (attrs, data.get("model"), n, count)
         return message
 
-    def record(self, values: tuple) -> None:
-        """Every attribute the general path sets for the answer read, in one ``set_attributes``; counted."""
+    def record(self, attrs: dict, model, prompt_tokens: int, output_tokens: int) -> None:
+        """Every attribute the general path sets for the answer read (``attrs``: those that do not
+        depend on the span, from :meth:`answer`), in one ``set_attributes``; counted."""
         span, m = self.span, self.model
         try:
-            model, (prompt, ids, logprobs), prompt_tokens, output_tokens, finish, text, raw_finish, reason = values
             if self.adopted and getattr(span, "end_time", None) is not None:   # (``Call._live``)
                 span = self.span = spans.open_span(m.name, self.start(), start_time=span.start_time)
                 self.owned, self.adopted = True, False
-            attrs = {_PROMPT: prompt, _IDS: (ids,), _LOGPROBS: (logprobs,), _STATUS: CAPTURED}
             versions = m.versions
             if versions:   # (``served_policy``)
                 served = model or getattr(span, "attributes", {}).get(semconv.GEN_AI_REQUEST_MODEL)
                 if served in versions:
                     attrs[_VERSION] = int(versions[served])
-                    policy = served
-                else:
-                    policy = None
-                    if m.version is not None:
-                        attrs[_VERSION] = m.version
-            else:
-                policy = None
-                if m.version is not None:
+                    attrs[_POLICY] = served
+                elif m.version is not None:
                     attrs[_VERSION] = m.version
-            temperature = self.chat.get("temperature")
-            if temperature is not None:
-                attrs[_TEMPERATURE] = float(temperature)
-            if policy is not None:
-                attrs[_POLICY] = policy
+            elif m.version is not None:
+                attrs[_VERSION] = m.version
             if self.adopted:
                 attrs.update(m.adopted)
                 if m.content:   # (``anthropic_input`` of the common request, from its chat messages)
@@ -308,12 +308,6 @@ class Straight:
                     attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(model)
                 attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = prompt_tokens
                 attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
-            if finish:
-                attrs[_REASONS] = (finish,)
-            if m.content:   # (``messages.dumps``: text only, no ``default`` needed)
-                attrs[_OUTPUTS] = orjson.dumps([{
-                    "role": "assistant", "parts": [{"type": "text", "content": text}] if text else [],
-                    "finish_reason": reason or raw_finish or None}]).decode()
         except Exception:   # never break the agent's call over telemetry
             attrs = _ERROR
         if span.is_recording():
