@@ -102,13 +102,16 @@ class Nesting(SpanProcessor):
         except TypeError:  # a span type that cannot be weakly referenced
             return
         call = self.adopting.get()
-        if call is not None and is_llm_span(span):
-            self.adopting.set(None)
-            nested = self._nest(span, parent_context)
-            call.adopt(span)
-            if nested:   # (else no LLM span encloses it)
-                mark_enclosing(span)
-            return
+        if call is not None:
+            attrs = getattr(span, "attributes", None)   # (``is_llm_span``, written out)
+            if attrs is not None and (attrs.get(semconv.GEN_AI_OPERATION_NAME)
+                                      or attrs.get(semconv.LLM_REQUEST_TYPE)) in semconv.LLM_OPERATIONS:
+                self.adopting.set(None)
+                nested = self._nest(span, parent_context)
+                call.adopt(span)
+                if nested:   # (else no LLM span encloses it)
+                    mark_enclosing(span)
+                return
         ours = self.responses_call.get()
         if ours is not None:
             self.responses_call.set(None)

@@ -277,8 +277,9 @@ class Straight:
         """Every attribute the general path sets for the answer read (``attrs``: those that do not
         depend on the span, from :meth:`answer`), in one ``set_attributes``; counted."""
         span, m = self.span, self.model
+        live = self.adopted and span.is_recording()   # (an SDK span records until it ends)
         try:
-            if self.adopted and getattr(span, "end_time", None) is not None:   # (``Call._live``)
+            if self.adopted and not live:   # (``Call._live``: the library ended its span already)
                 span = self.span = spans.open_span(m.name, self.start(), start_time=span.start_time)
                 self.owned, self.adopted = True, False
             versions = m.versions
@@ -291,7 +292,7 @@ class Straight:
                     attrs[_VERSION] = m.version
             elif m.version is not None:
                 attrs[_VERSION] = m.version
-            if self.adopted:
+            if live:
                 attrs.update(m.adopted)
                 if m.content:   # (``anthropic_input`` of the common request, from its chat messages)
                     inputs, last = [], None
@@ -310,7 +311,7 @@ class Straight:
                 attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
         except Exception:   # never break the agent's call over telemetry
             attrs = _ERROR
-        if span.is_recording():
+        if live or span.is_recording():
             span.set_attributes(attrs)
         report = REPORT
         if attrs is _ERROR:
