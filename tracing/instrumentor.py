@@ -131,13 +131,13 @@ def _response_json_hook(original):
         call = FEEDING.get()
         if call is None or kwargs:
             return original(self, **kwargs)
-        if type(call) is _Straight:   # (``read`` written out: the straight line's plain answer)
-            data = loads(self.content)
+        data = loads(self.content)   # (``read``, written out)
+        if type(call) is _Straight:
             message = call.answer(data)
             if message is not None:
                 return message
-            return _read(call.general(), data)
-        return read(call, self.content)
+            call = call.general()
+        return _read(call, data)
     return json
 
 
