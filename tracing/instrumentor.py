@@ -64,7 +64,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.trace import Status, StatusCode
 from wrapt import register_post_import_hook
 
-from lightspan.tracing import protocols, semconv, spans, spool, straight, urls
+from lightspan.tracing import protocols, semconv, spans, spool, straight, straight_stream, urls
 from lightspan.tracing.calls import Call, prepare
 from lightspan.tracing.clients import CLIENTS, Client
 from lightspan.tracing.protocols.base import loads
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 # the call whose response the client is decoding right now (set around the call): the JSON hook feeds it
 FEEDING: contextvars.ContextVar = contextvars.ContextVar("lightspan_feeding", default=None)
-_Straight = straight.Straight
+_Straight, _StraightStream = straight.Straight, straight_stream.StraightStream
 
 
 def should_capture(base_url: str, path: str, capture_urls=None, client: str = "openai") -> bool:
@@ -188,8 +188,9 @@ def _finish(resp, call: Call, parsed=None):
 
 
 def _straight_post(client: Client, wrapped, instance, args, kwargs):
-    """``_sync_post`` of a client with a straight line for its common call (:mod:`.straight`)."""
-    line = None if kwargs.get("stream") else straight.prepare(client, instance, args, kwargs)
+    """``_sync_post`` of a client with a straight line for its common call (:mod:`.straight`, and
+    :mod:`.straight_stream` for a stream)."""
+    line = straight.prepare(client, instance, args, kwargs, _StraightStream if kwargs.get("stream") else _Straight)
     if line is None:
         return _sync_post(client, wrapped, instance, args, kwargs)
     call, args = line
@@ -207,13 +208,16 @@ def _straight_post(client: Client, wrapped, instance, args, kwargs):
     except BaseException as exc:
         _failed(call.general(), exc)
         raise
-    if call.call is not None or not call.done:   # the general path reads or has read it
-        return _answered(resp, call.general())
-    if call.values is not None:   # (read, not recorded yet: a span of our own)
-        call.record(*call.values)
-    if call.owned:
-        call.span.end()
-    return resp
+    if call.call is None:
+        if call.done:   # the straight line read the answer
+            if call.values is not None:   # (read, not recorded yet: a span of our own)
+                call.record(*call.values)
+            if call.owned:
+                call.span.end()
+            return resp
+        if call.stream and call.tap(resp):   # its decoder reads the stream
+            return resp
+    return _answered(resp, call.general())   # the general path reads or has read it
 
 
 def _sync_post(client: Client, wrapped, instance, args, kwargs):

@@ -8,8 +8,9 @@ once per such key, :class:`_Line`, and per model, :class:`_Model`), and its plai
 :func:`.protocols.anthropic_common._plain` accepts, with ids and logprobs of the same length and
 the prompt's ids) is read by :meth:`Straight.answer`: the caller's message made, and every attribute
 the general path (:class:`.call.Call`, :class:`.protocols.anthropic_common.SimpleCapture`) sets
-put on the span in one ``set_attributes``, the report counted in one step. Anything else — another
-shape, a stream, an answer that is not plain, a raw response, an LLM span of another
+put on the span in one ``set_attributes``, the report counted in one step. A stream of the same
+shape takes its own straight line (:mod:`.straight_stream`: prepared here, ``kind``). Anything
+else — another shape, an answer that is not plain, a raw response, an LLM span of another
 instrumentation or a framework's, an error — goes the general way: :meth:`Straight.general` makes
 the general path's :class:`~.call.Call` of the call at any point before its answer is read.
 ``ON`` switches it off (tests/tracing/test_straight.py holds the two paths equal). The variables
@@ -33,12 +34,13 @@ from opentelemetry import trace
 from lightspan.tracing import hooks, semconv, spans
 from lightspan.tracing.call import _VARIABLES, Call, _settings, _start_attributes, _start_names
 from lightspan.tracing.calls import _converted_path, _protocol_of, _route
-from lightspan.tracing.clients import _anthropic_prepare
+from lightspan.tracing.clients import _anthropic_prepare, _class_decoder
 from lightspan.tracing.protocols import anthropic_messages
 from lightspan.tracing.protocols.anthropic_common import SimpleCapture, common_chat
 from lightspan.tracing.protocols.anthropic_convert import stop_reason, usage
 from lightspan.tracing.protocols.base import REASONS
 from lightspan.tracing.report import CAPTURED, REPORT
+from lightspan.tracing.streams import converted_event_type
 
 ON = [True]   # False: every call goes the general way
 PROTOCOL = anthropic_messages.PROTOCOL
@@ -56,12 +58,14 @@ _ADOPTING = spans.NESTING.adopting   # (the one Nesting's: made once)
 
 class _Line:
     """What a call of one client's base URL and path, under one reading of the variables, shares."""
-    __slots__ = ("client", "chat_path", "settings", "response", "models", "sentinel")
+    __slots__ = ("client", "chat_path", "settings", "response", "models", "sentinel", "event", "decoder")
 
     def __init__(self, client, chat_path: str, settings, response: type):
         self.client, self.chat_path, self.settings, self.response = client, chat_path, settings, response
         self.models: dict = {}
         self.sentinel = _anthropic_prepare()[2]   # whether a type is one of the client's sentinels
+        # a stream's: the client's event type for converted events, its own SSE decoder's type
+        self.event, self.decoder = converted_event_type(client), client.types().sse_decoder
 
     def model(self, model: str) -> "_Model":
         found = self.models.get(model)
@@ -114,13 +118,14 @@ def _environ() -> list:
     return _ENV
 
 
-def prepare(client, instance, args, kwargs):
-    """(the :class:`Straight` call, the ``post`` positional arguments to call with) of a call that
-    takes the straight line, its keyword arguments made the ones to call with (``body``,
-    ``options``, ``path``), else None (nothing done, nothing changed: the general steps take it)."""
+def prepare(client, instance, args, kwargs, kind: type):
+    """(the call, the ``post`` positional arguments to call with) of a call that takes the straight
+    line, its keyword arguments made the ones to call with (``body``, ``options``, ``path``), else
+    None (nothing done, nothing changed: the general steps take it). ``kind``: :class:`Straight`
+    for a plain call, :class:`.straight_stream.StraightStream` for a stream (``post``'s ``stream``)."""
     body = kwargs.get("body")
     options = kwargs.get("options")
-    if type(body) is not dict or type(options) is not dict or not ON[0]:   # (a stream: ``"stream" in chat``)
+    if type(body) is not dict or type(options) is not dict or not ON[0]:
         return None
     headers = options.get("headers")
     if headers and (type(headers) is not dict or headers.get(_RAW_RESPONSE_HEADER) is not None):
@@ -146,7 +151,11 @@ def prepare(client, instance, args, kwargs):
         asked = body
     given = dict(compress(asked.items(), map(not_, map(line.sentinel, map(type, asked.values())))))
     chat = common_chat(given, capture=True)
-    if chat is None or "stream" in chat:
+    if chat is None or ("stream" in chat) is not kind.stream:   # (a stream in the body and in ``post``'s or neither)
+        return None
+    # (a stream's events must come from lightspan's decoder: a client with a decoder of its own goes the
+    # general way, ``clients._own_decoder`` says so there)
+    if kind.stream and not (_class_decoder(type(instance)) and "_make_sse_decoder" not in instance.__dict__):
         return None
     now = otel_context.get_current()   # (an LLM span of another instrumentation's, or a framework's)
     attrs = getattr(trace.get_current_span(now), "attributes", None)
@@ -154,7 +163,7 @@ def prepare(client, instance, args, kwargs):
             spans.NESTING.active and now.get(_SUPPRESS)):
         return None
     model = chat["model"]
-    call = Straight(line.models.get(model) or line.model(model), given, chat)
+    call = kind(line.models.get(model) or line.model(model), given, chat)
     kwargs["body"], kwargs["options"] = chat, options   # (wrapt's: the wrapper's own dict)
     if args:
         args = (line.chat_path, *args[1:])
@@ -171,6 +180,7 @@ class Straight:
     """A call on the straight line (module docstring): its request, span, and answer's values."""
     span = deferred = call = values = None   # (class defaults: each call sets few of them)
     owned = adopted = done = False
+    stream = False   # (:class:`.straight_stream.StraightStream`: True)
 
     def __init__(self, model: _Model, given: dict, chat: dict):
         self.model, self.given, self.chat = model, given, chat
@@ -190,7 +200,7 @@ class Straight:
         """The general path's :class:`~.call.Call` of this call, from now on (before its answer is read)."""
         if self.call is None:
             line, model = self.model.line, self.model.model
-            call = self.call = Call(line.client, PROTOCOL, SimpleCapture(self.given, self.chat), False)
+            call = self.call = Call(line.client, PROTOCOL, SimpleCapture(self.given, self.chat), self.stream)
             call.content, call.name = line.settings.content, self.model.name
             call.start = functools.partial(_start_attributes, PROTOCOL, model, self.given, [], line.settings.content)
             call.span, call.owned, call.adopted, call.deferred = self.span, self.owned, self.adopted, self.deferred

@@ -124,15 +124,8 @@ class ConvertedDecoder(CapturedDecoder):
         out = []
         make, call = self.event_type, self.call
         cap, read = call.cap, (self.read if call.output is not None else None)
-        batch = getattr(cap, "batch", None) if read is None else None
-        if batch is not None:   # (the capture reads the read's chunks in one loop: AnthropicCapture.batch)
-            datas = parser.feed(chunk)
-            i, n = 0, len(datas)
-            while i < n:
-                i = batch(datas, i, make, out)
-                if datas[i - 1].startswith("[DONE]"):
-                    self.end(True)
-            return out
+        if read is None and getattr(cap, "batch", None) is not None:   # (AnthropicCapture.batch)
+            return self.batched(parser.feed(chunk), 0, out)
         for data in parser.feed(chunk):
             if data.startswith("{"):
                 # (a converted stream's chunks are read by its capture's ``events``: without output
@@ -148,6 +141,18 @@ class ConvertedDecoder(CapturedDecoder):
                     out += starmap(make, cap.events(chunk_json))
             elif data.startswith("[DONE]"):
                 out += starmap(make, cap.end())
+                self.end(True)
+        return out
+
+
+    def batched(self, datas: list, i: int, out: list) -> list:
+        """``out`` with the events of one read's data from ``datas[i]`` on, read by the capture's
+        ``batch`` (its chunks in one loop), the call recorded at ``[DONE]``. (Also where the streamed
+        call's straight line hands a read over: :mod:`.straight_stream`.)"""
+        batch, make, n = self.call.cap.batch, self.event_type, len(datas)
+        while i < n:
+            i = batch(datas, i, make, out)
+            if datas[i - 1].startswith("[DONE]"):
                 self.end(True)
         return out
 

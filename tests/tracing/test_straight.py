@@ -227,8 +227,8 @@ def test_every_other_call_goes_the_general_way(monkeypatch, case):
         general, _ = _run(False, kwargs, answer, own_span, how)
         assert fast == general
         assert ("answered", True) not in took   # the general path read it (or nothing did)
-        if case == "stream":   # (not even looked at)
-            assert took == []
+        if case == "stream":   # (the streamed call's straight line: tests/tracing/test_straight_stream.py)
+            assert took == [("prepared", True)]
         elif case in ("raw", "blocks", "tools", "metadata", "system_blocks"):
             assert took == [("prepared", False)]
 

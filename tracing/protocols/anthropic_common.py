@@ -4,10 +4,11 @@ Such a request converts in a few dict operations (:func:`common_chat`), and its 
 and recorded in one pass each (:class:`SimpleCapture`), with what the general path
 (:class:`~.anthropic_capture.AnthropicCapture`) gives for it; any other request, and any other
 answer, goes the general way. The instrumentor's fewer steps for such a call
-(:func:`lightspan.tracing.calls.prepare`'s ``common`` step) start from :func:`common_capture`; a
-non-streamed one of the sync client takes the straight line of :mod:`lightspan.tracing.straight`,
-which builds its chat body with :func:`common_chat` too. tests/tracing/test_anthropic_fast.py and
-tests/tracing/test_straight.py hold the paths equal; bench/README.md (sessions 13 to 15) times them. Pure.
+(:func:`lightspan.tracing.calls.prepare`'s ``common`` step) start from :func:`common_capture`; one
+of the sync client takes the straight line of :mod:`lightspan.tracing.straight` (a stream:
+:mod:`lightspan.tracing.straight_stream`), which builds its chat body with :func:`common_chat` too.
+tests/tracing/test_anthropic_fast.py, test_straight.py and test_straight_stream.py hold the paths
+equal; bench/README.md (sessions 13 to 17) times them. Pure.
 """
 
 from __future__ import annotations
