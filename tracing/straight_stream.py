@@ -100,7 +100,8 @@ class StraightStream(Straight):
                 if parser.error is not None:   # (``parser.check()``)
                     raise parser.error
             parser.finish()
-            parser.check()
+            if parser.error is not None:
+                raise parser.error
             if not self.ended:
                 self.end(True)
         finally:
@@ -182,10 +183,14 @@ class StraightStream(Straight):
                         or type(prompt) is not list or type(model) is not str):
                     return False
                 packed = pack(f"<{len(prompt)}i", *prompt)   # (``semconv.encode_ids``)
+                u = chunk.get("usage")   # (``usage`` of one without cached tokens written out: ``- 0``, as its
+                # ``- read - created``, makes a bool an int)
+                u = {"input_tokens": max(0, (u.get("prompt_tokens") or 0) - 0), "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0} if (
+                    type(u) is dict and not u.get("prompt_tokens_details")) else usage(u)
                 start = {"type": "message_start", "message": {
                     "id": chunk.get("id") or f"msg_{int(time.time() * 1000)}", "type": "message", "role": "assistant",
-                    "content": [], "model": model, "stop_reason": None, "stop_sequence": None,
-                    "usage": usage(chunk.get("usage"))}}
+                    "content": [], "model": model, "stop_reason": None, "stop_sequence": None, "usage": u}}
                 self.prompt, self.n, self.served, self.phase = packed, len(prompt), model, 1
                 out.append(make("message_start", start))
                 return True
@@ -193,8 +198,12 @@ class StraightStream(Straight):
                 if phase != 2 and phase != 3:
                     return False
                 reason, sequence = stop_reason(self.finish or "stop", self.stop, False, False)
+                u = chunk.get("usage")   # (as the first chunk's)
+                u = {"input_tokens": max(0, (u.get("prompt_tokens") or 0) - 0), "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": 0, "output_tokens": u.get("completion_tokens") or 0} if (
+                    type(u) is dict and not u.get("prompt_tokens_details")) else usage(u)
                 delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                         "usage": usage(chunk.get("usage"))}
+                         "usage": u}
                 self.stop_reason, self.phase = reason, 4
                 out += [make("content_block_stop", {"type": "content_block_stop", "index": 0}),
                         make("message_delta", delta)]
