@@ -352,6 +352,9 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=None,
                         help="lightspan's max_staleness (default: the demo's, 1: rollouts overlap training, one "
                              "version stale; 0: lock-step, on-policy as TRL is)")
+    parser.add_argument("--zero-advantage", choices=("exclude", "count"), default=None,
+                        help="lightspan's zero_advantage (default: the experiment's, exclude; count: "
+                             "zero-advantage sequences count in the loss's normaliser, as TRL's do)")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
     parser.add_argument("--summarise", metavar="JSON", default="",
                         help="run nothing: print the summary of a saved --out file (old ones too)")

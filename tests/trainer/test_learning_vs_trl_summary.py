@@ -180,3 +180,12 @@ def test_the_benchs_defaults_are_the_gsm8k_examples_settings():
     assert (defaults.tasks_per_step, defaults.samples) == (documented.tasks_per_step, documented.samples)
     assert (defaults.trl_lora_r, defaults.trl_lr) == (documented.lora_r, documented.learning_rate)
     assert defaults.max_tokens == 24 == int(tasks.gsm8k_agent().solve.__kwdefaults__["max_tokens"])
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_zero_advantage_reaches_lightspans_side_only_when_given(task, tmp_path):
+    experiment = tasks.TASKS[task].experiment
+    given = experiment(_args(work=str(tmp_path), zero_advantage="count", max_staleness=0), tmp_path)
+    assert (given.zero_advantage, given.max_staleness) == ("count", 0)
+    left_out = experiment(_args(work=str(tmp_path)), tmp_path)        # the namespace of an older caller: no attribute
+    assert left_out.zero_advantage == "exclude"                     # the experiment's default
