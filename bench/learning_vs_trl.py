@@ -87,7 +87,9 @@ def lightspan_side(args) -> list[dict]:
               "solved": round(v["solved"] * v["rollouts"]), "of": v["rollouts"]} for v in results["val"]]
     # the trainer's mean per-token entropy over the sampled completion tokens of its first and last step
     trainer = results["trainer"]
-    return {"curve": curve, "entropy": {"first": trainer.get("entropy_first"), "last": trainer.get("entropy_last")}}
+    train = [{"step": t["step"], "reward": round(t["reward_mean"], 4)} for t in results["train"]]
+    return {"curve": curve, "train": train,
+            "entropy": {"first": trainer.get("entropy_first"), "last": trainer.get("entropy_last")}}
 
 
 # --- TRL ------------------------------------------------------------------------------------------
@@ -153,6 +155,11 @@ def trl_side(args) -> list[dict]:
         def on_train_begin(self, targs, state, control, model=None, **kw):
             evaluate(model, 0)
 
+        def on_log(self, targs, state, control, logs=None, **kw):
+            if logs and "reward" in logs:     # the step's training reward (its sampled completions')
+                print(f"trl seed {args.seed} step {state.global_step}: train reward {logs['reward']:.4f}",
+                      file=sys.stderr, flush=True)
+
         def on_step_end(self, targs, state, control, model=None, **kw):
             spent = _own_cpu() - excluded[0] > args.cpu_budget_s
             if spent:
@@ -169,8 +176,9 @@ def trl_side(args) -> list[dict]:
     # TRL's own entropy metric: the same quantity as lightspan's train_steps.entropy (mean over the
     # step's completion tokens, logits divided by the sampling temperature)
     entropies = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
-    return {"curve": curve, "entropy": {"first": entropies[0] if entropies else None,
-                                        "last": entropies[-1] if entropies else None}}
+    train = [{"step": h["step"], "reward": round(h["reward"], 4)} for h in trainer.state.log_history if "reward" in h]
+    return {"curve": curve, "train": train, "entropy": {"first": entropies[0] if entropies else None,
+                                                        "last": entropies[-1] if entropies else None}}
 
 
 def trl_config(args, work: Path):
@@ -376,6 +384,7 @@ def main() -> None:
 
     runs: dict = {side: {} for side in args.sides.split(",")}
     entropy: dict = {}          # side -> seed -> first/last entropy (nats/token), the floor, the flag
+    train: dict = {}            # side -> seed -> the training reward per step (what settings are chosen on)
     load = [os.getloadavg()[0]]
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side in runs:
@@ -385,6 +394,7 @@ def main() -> None:
                                       "--work", work], check=True, stdout=subprocess.PIPE, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             runs[side][seed] = curve = result["curve"]
+            train.setdefault(side, {})[seed] = result.get("train", [])
             last = result["entropy"]["last"]
             flag = entropy_flag(last)
             entropy.setdefault(side, {})[seed] = {**result["entropy"], "floor": ENTROPY_FLOOR, "flag": flag}
@@ -398,7 +408,7 @@ def main() -> None:
     print("\n".join(report(summary, TASKS[args.task].noun, load)), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"task": args.task, "runs": runs, "summary": summary, "entropy": entropy,
-                                              "load_1m": load, "argv": sys.argv[1:]}, indent=1) + "\n")
+                                              "train_reward": train, "load_1m": load, "argv": sys.argv[1:]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
