@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -31,16 +30,9 @@ import requests
 from lightspan import inference
 from lightspan.models import DEFAULT_SMOLLM2_DIR, prepare_smollm2
 from lightspan.runs import tree_cpu_seconds
+from vllm_servers import free_port, medians, servers
 
 ARMS = {"vllm": -1.0, "lightspan": 0.0}   # arm -> VLLMConfig.reader_spin_s
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(url: str, i: int, tokens: int, temperature: float) -> dict:
@@ -72,12 +64,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm-reader-spin-"))
     cfgs = {arm: inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port(), reader_spin_s=spin)
             for arm, spin in ARMS.items()}
-    procs = {}
-    try:
-        for arm, cfg in cfgs.items():
-            procs[arm] = inference.start(cfg, work / f"vllm-{arm}.log")
-        for arm, cfg in cfgs.items():
-            inference.wait_healthy(cfg.url, procs[arm], cfg.startup_timeout_s, work / f"vllm-{arm}.log")
+    with servers(cfgs, work) as procs:
         same = greedy(cfgs["vllm"].url, args.tokens) == greedy(cfgs["lightspan"].url, args.tokens)
         rows: dict = {arm: [] for arm in cfgs}
         with ThreadPoolExecutor(args.requests) as pool:
@@ -96,11 +83,7 @@ def main() -> None:
                     time.sleep(args.idle_s)
                     rows[arm].append({"cpu_s": round(tree_cpu_seconds(pid) - c0, 2), "wall_s": round(wall, 2),
                                       "tokens": n})
-    finally:
-        for proc in procs.values():
-            inference.stop(proc)
-    med = {arm: {k: statistics.median(r[k] for r in rs) for k in ("cpu_s", "wall_s", "tokens")}
-           for arm, rs in rows.items()}
+    med = medians(rows)
     for arm in rows:
         print(f"{arm:>9} (reader_spin_s {ARMS[arm]:g}): vLLM CPU {med[arm]['cpu_s']:.2f} s, wall "
               f"{med[arm]['wall_s']:.2f} s per batch of {args.requests} ({med[arm]['tokens']:.0f} tokens), "
