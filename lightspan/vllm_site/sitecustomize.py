@@ -11,7 +11,9 @@ it sleeps on the writer's notification (vLLM's ``SpinCondition``, ``busy_loop_s`
 wait is microseconds; on a CPU the worker's decode step takes 0.1-0.3 s, so the engine core spins a
 whole core all the while, beside the worker that needs it (docs/architecture.md, "Inference").
 ``LIGHTSPAN_VLLM_READER_SPIN_S``: the seconds; unset, vLLM's own. Sleeping on the notification is
-what vLLM's readers do after their busy spell anyway; nothing else changes.
+what vLLM's readers do after their busy spell anyway; nothing else changes. vLLM 0.32 has no setting
+for it; an open pull request (vllm-project/vllm#52814) would add ``VLLM_SHM_BROADCAST_BUSY_LOOP_S``,
+which lightspan/inference.py should set instead once the pinned vLLM has it.
 """
 
 import importlib.util
