@@ -3,12 +3,14 @@ aliases, takes extra vLLM flags, and stops when it is stopped."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,26 @@ def test_the_servers_queue_readers_busy_wait_reader_spin_s(tmp_path, spin, expec
     assert out.returncode == 0, out.stderr[-2000:]
     value, in_venv = out.stdout.split()
     assert float(value) == expected and in_venv == "True"
+
+
+def test_a_vllm_whose_queue_class_moved_keeps_its_own_wait_and_says_so(monkeypatch):
+    """The start-up hook changes nothing it does not recognise: a ``SpinCondition`` whose last
+    parameter is not ``busy_loop_s`` keeps its defaults, with a warning in the server's log."""
+    monkeypatch.delenv("LIGHTSPAN_VLLM_READER_SPIN_S", raising=False)    # (loaded here: no finder installed)
+    spec = importlib.util.spec_from_file_location("vllm_site_hook", inference.VLLM_SITE / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    monkeypatch.setattr(site, "_SPIN", "0")
+
+    class Moved:
+        def __init__(self, is_reader, busy_loop_s=1, poll_ms=None):
+            pass
+
+    class Known:
+        def __init__(self, is_reader, busy_loop_s=1):
+            pass
+
+    with pytest.warns(RuntimeWarning, match="keep vLLM's busy wait"):
+        site._set_spin(types.SimpleNamespace(SpinCondition=Moved))
+    site._set_spin(types.SimpleNamespace(SpinCondition=Known))
+    assert Moved.__init__.__defaults__ == (1, None) and Known.__init__.__defaults__ == (0.0,)

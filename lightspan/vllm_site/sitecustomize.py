@@ -27,8 +27,12 @@ _SPIN = os.environ.get("LIGHTSPAN_VLLM_READER_SPIN_S", "")
 
 
 def _set_spin(module) -> None:
-    init = getattr(getattr(module, "SpinCondition", None), "__init__", None)
-    params = list(inspect.signature(init).parameters) if callable(init) else []
+    cls = getattr(module, "SpinCondition", None)
+    init = cls.__init__ if isinstance(cls, type) else None
+    try:
+        params = list(inspect.signature(init).parameters) if init is not None else []
+    except (TypeError, ValueError):
+        params = []
     if params[-1:] != ["busy_loop_s"] or not init.__defaults__:
         warnings.warn(f"lightspan: vLLM's {_MODULE}.SpinCondition has no busy_loop_s last: its readers "
                       "keep vLLM's busy wait", RuntimeWarning, stacklevel=1)
