@@ -403,12 +403,12 @@ def main() -> None:
                   + ("" if last is None else f"; final entropy {last:.2f} nats/token"), flush=True)
             if flag:
                 print(f"seed {seed} {side:>9}: {flag}", flush=True)
+            if args.out:   # after every run, so a run stopped early keeps what it measured
+                Path(args.out).write_text(json.dumps({
+                    "task": args.task, "runs": runs, "summary": summarise(runs), "entropy": entropy,
+                    "train_reward": train, "load_1m": [*load, os.getloadavg()[0]], "argv": sys.argv[1:]}, indent=1) + "\n")
     load.append(os.getloadavg()[0])
-    summary = summarise(runs)
-    print("\n".join(report(summary, TASKS[args.task].noun, load)), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"task": args.task, "runs": runs, "summary": summary, "entropy": entropy,
-                                              "train_reward": train, "load_1m": load, "argv": sys.argv[1:]}, indent=1) + "\n")
+    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load)), flush=True)
 
 
 if __name__ == "__main__":
