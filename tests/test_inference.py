@@ -3,12 +3,14 @@ aliases, takes extra vLLM flags, and stops when it is stopped."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,71 @@ def test_bad_settings_name_the_field(tmp_path):
         _cfg(model, extra_args="--x 'unclosed")
     with pytest.raises(ConfigError, match="vllm.chat_template"):
         _cfg(model, chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="vllm.reader_spin_s"):
+        _cfg(model, reader_spin_s=float("nan"))
+    with pytest.raises(ConfigError, match="vllm.reader_recheck_s"):
+        _cfg(model, reader_recheck_s=float("inf"))
+
+
+@pytest.mark.skipif(not Path(inference.VLLMConfig.python).exists(), reason="no vLLM venv (scripts/setup.sh)")
+@pytest.mark.parametrize("spin, recheck, expected", [(0.25, 0.05, (0.25, 50)), (-1.0, -1.0, (1.0, 5000)),
+                                                     (-1.0, 0.002, (1.0, 2))])
+def test_the_servers_queue_readers_wait_as_configured(tmp_path, spin, recheck, expected):
+    """The server's processes (in vLLM's own venv) read lightspan/vllm_site/sitecustomize.py: vLLM's
+    shared-memory queue readers then busy-wait ``reader_spin_s`` after a read and sleep at most
+    ``reader_recheck_s``, not vLLM's 1 s and 5 s; a negative value leaves vLLM's. The module's own
+    source is what vLLM imports, its class and constant changed."""
+    cfg = inference.VLLMConfig(model=str(_model_dir(tmp_path, None)), reader_spin_s=spin, reader_recheck_s=recheck)
+    probe = ("import vllm.distributed.device_communicators.shm_broadcast as m, sys; "
+             "print(m.SpinCondition.__init__.__defaults__[-1], m.SHM_READER_RECHECK_INTERVAL_MS, "
+             "m.__file__.startswith(sys.prefix))")
+    out = subprocess.run([cfg.python, "-c", probe], env=inference.environment(cfg), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    value, recheck_ms, in_venv = out.stdout.split()
+    assert (float(value), int(recheck_ms)) == expected and in_venv == "True"
+
+
+def test_a_vllm_whose_queue_moved_keeps_its_own_wait_and_says_so(monkeypatch):
+    """The start-up hook changes nothing it does not recognise: a ``SpinCondition`` whose last
+    parameter is not ``busy_loop_s`` keeps its defaults, a module without the recheck constant (or
+    with one of another type) keeps it, each with a warning in the server's log."""
+    for key in ("LIGHTSPAN_VLLM_READER_SPIN_S", "LIGHTSPAN_VLLM_READER_RECHECK_S"):
+        monkeypatch.delenv(key, raising=False)    # (loaded here: no finder installed)
+    spec = importlib.util.spec_from_file_location("vllm_site_hook", inference.VLLM_SITE / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    monkeypatch.setattr(site, "_SPIN", "0")
+    monkeypatch.setattr(site, "_RECHECK", "0.03")
+
+    class Moved:
+        def __init__(self, is_reader, busy_loop_s=1, poll_ms=None):
+            pass
+
+    class Known:
+        def __init__(self, is_reader, busy_loop_s=1):
+            pass
+
+    moved = types.SimpleNamespace(SpinCondition=Moved, SHM_READER_RECHECK_INTERVAL_MS=5.0)
+    with pytest.warns(RuntimeWarning) as caught:
+        site._settle(moved)
+    assert sorted(str(w.message).split(": ")[-1] for w in caught) == [
+        "its readers keep vLLM's busy wait", "its readers keep vLLM's recheck"]
+    known = types.SimpleNamespace(SpinCondition=Known, SHM_READER_RECHECK_INTERVAL_MS=5000)
+    site._settle(known)
+    assert Moved.__init__.__defaults__ == (1, None) and moved.SHM_READER_RECHECK_INTERVAL_MS == 5.0
+    assert Known.__init__.__defaults__ == (0.0,) and known.SHM_READER_RECHECK_INTERVAL_MS == 30
+
+
+def test_the_servers_environment_carries_the_readers_settings(tmp_path, monkeypatch):
+    """Only the settings that are not negative reach the server, the hook's folder first on its
+    ``PYTHONPATH`` only then; values of a parent's environment never leak through."""
+    monkeypatch.setenv("LIGHTSPAN_VLLM_READER_RECHECK_S", "9")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    model = str(_model_dir(tmp_path, None))
+    env = inference.environment(inference.VLLMConfig(model=model))
+    assert (env["LIGHTSPAN_VLLM_READER_SPIN_S"], env["LIGHTSPAN_VLLM_READER_RECHECK_S"]) == ("0.005", "0.02")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(inference.VLLM_SITE), "/elsewhere"]
+    env = inference.environment(inference.VLLMConfig(model=model, reader_spin_s=-1, reader_recheck_s=-1))
+    assert "LIGHTSPAN_VLLM_READER_SPIN_S" not in env and "LIGHTSPAN_VLLM_READER_RECHECK_S" not in env
+    assert env["PYTHONPATH"] == "/elsewhere"
