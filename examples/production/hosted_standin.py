@@ -61,7 +61,8 @@ def answer(question: str, mistake_share: float) -> str:
     if len(amounts) < 2:
         return CANNOT_TELL
     draw = int.from_bytes(hashlib.blake2b(question.encode(), digest_size=8).digest(), "big") / 2 ** 64
-    return str(sum(amounts) + (10 if draw < mistake_share else 0))
+    total = sum(amounts) + (10 if draw < mistake_share else 0)
+    return f"{' + '.join(map(str, amounts))} = {total}"
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -10,9 +10,9 @@
 
 A small Starlette app, as a team's service would be: one route that asks a chat model, through the
 plain ``openai`` client (``AsyncOpenAI``, base URL and key from the environment as the client reads
-them), for the order's total, reads the first number of the reply, and answers the user. A reply
-with no number is asked again once, with a reminder (``AGENT_MAX_ATTEMPTS``, 2): one request, one or
-two chat calls. What it serves is configuration: the hosted model first, later the team's own model
+them), for the order's total, reads the last number of the reply (the sum its working ends in), and
+answers the user. A reply with no number is asked again once, with a reminder
+(``AGENT_MAX_ATTEMPTS``, 2): one request, one or two chat calls. What it serves is configuration: the hosted model first, later the team's own model
 behind lightspan's gateway (``OPENAI_BASE_URL=http://GATEWAY/v1``), the same code.
 
 Traces reach lightspan by configuration alone: ``opentelemetry-instrument`` loads the OpenAI
@@ -50,12 +50,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-SYSTEM = "You are the order assistant of an online shop. Reply with the order total in dollars, as a number only."
+SYSTEM = "You are the order assistant of an online shop. Add up the prices and reply with the sum."
 # one worked exchange as earlier turns: a 135M model copies a dialogue's form far better than it
 # follows an instruction (examples/gsm8k/README.md)
 SHOT = [{"role": "user", "content": "What's the total for one scarf ($23) and one candle ($14)?"},
-        {"role": "assistant", "content": "37"}]
-REMINDER = "Reply with the total as a number only, for example 37."
+        {"role": "assistant", "content": "23 + 14 = 37"}]
+REMINDER = "Reply with the sum of the prices, for example 23 + 14 = 37."
 MAX_QUESTION = 2000          # characters
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 tracer = trace.get_tracer("order-assistant")
@@ -67,7 +67,7 @@ class ServiceConfig:
 
     model: str = "policy"
     temperature: float = 0.7
-    max_tokens: int = 8
+    max_tokens: int = 24
     max_attempts: int = 2
 
     def __post_init__(self):
@@ -84,10 +84,11 @@ class ServiceConfig:
                    max_attempts=int(env.get("AGENT_MAX_ATTEMPTS", cls.max_attempts)))
 
 
-def first_number(reply: str | None) -> float | None:
-    """The first number in a reply (``$85`` and ``85.`` read as 85; thousands commas dropped)."""
-    match = _NUMBER.search((reply or "").replace(",", ""))
-    return float(match.group()) if match else None
+def last_number(reply: str | None) -> float | None:
+    """The last number in a reply, the result of its working (``23 + 14 = $37.`` reads as 37; thousands
+    commas dropped)."""
+    numbers = _NUMBER.findall((reply or "").replace(",", ""))
+    return float(numbers[-1]) if numbers else None
 
 
 def _dollars(value: float) -> str:
@@ -101,7 +102,7 @@ async def answer(client: AsyncOpenAI, cfg: ServiceConfig, question: str) -> tupl
         response = await client.chat.completions.create(model=cfg.model, messages=messages,
                                                         temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         reply = response.choices[0].message.content or ""
-        total = first_number(reply)
+        total = last_number(reply)
         if total is not None:
             return total, attempt
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": REMINDER}]

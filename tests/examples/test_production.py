@@ -89,15 +89,21 @@ def test_standin_answers_like_a_hosted_model_without_token_ids():
         {"role": "user", "content": question}], "logprobs": True, "return_token_ids": True})
     assert r.status_code == 200, r.text
     doc = r.json()
-    assert doc["choices"][0]["message"] == {"role": "assistant", "content": "85"}
+    assert doc["choices"][0]["message"] == {"role": "assistant", "content": "47 + 38 = 85"}
     assert doc["choices"][0]["logprobs"] is None
     assert "token_ids" not in r.text                       # neither prompt_token_ids nor token_ids
     wrong = TestClient(standin.make_app(standin.StandinConfig(mistake_share=1.0)))
     assert wrong.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": question}]}
-                      ).json()["choices"][0]["message"]["content"] == "95"
+                      ).json()["choices"][0]["message"]["content"] == "47 + 38 = 95"
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": UNANSWERABLE}]}
                        ).json()["choices"][0]["message"]["content"] == standin.CANNOT_TELL
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+
+
+def test_service_reads_the_sum_its_working_ends_in():
+    assert service.last_number("47 + 38 = 85") == 85
+    assert service.last_number("You pay $47 + $38 = $1,085.50.") == 1085.5
+    assert service.last_number("I can't tell.") is None
 
 
 def test_each_request_is_one_rollout_of_its_calls(stack):
