@@ -13,7 +13,8 @@ plain ``openai`` client (``AsyncOpenAI``, base URL and key from the environment 
 them), for the order's total, reads the last number of the reply (the sum its working ends in), and
 answers the user. A reply with no number is asked again once, with a reminder
 (``AGENT_MAX_ATTEMPTS``, 2): one request, one or two chat calls. What it serves is configuration: the
-hosted model first, later the team's own model behind lightspan's gateway (``OPENAI_BASE_URL=http://GATEWAY/v1``), the same code.
+hosted model first, later the team's own model behind lightspan's gateway
+(``OPENAI_BASE_URL=http://GATEWAY/v1``), the same code.
 
 Traces reach lightspan by configuration alone: ``opentelemetry-instrument`` loads the OpenAI
 instrumentation and lightspan's instrumentor, and exports to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the
