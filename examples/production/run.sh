@@ -20,8 +20,8 @@ LOGS=${LOGS:-$DATA/logs}                            # the services' logs and eve
 SEED=${SEED:-0}
 HOURS=${HOURS:-8}; RPH=${RPH:-40}; SHARE=${SHARE:-0.5}
 EVAL_HOURS=${EVAL_HOURS:-4}                         # simulated hours of the base and SFT policies' traffic
-# SFT: one pass over the rewarded hosted calls, 8 calls a step (README, "Measured": why these)
-SFT_EPOCHS=${SFT_EPOCHS:-1}; SFT_BATCH=${SFT_BATCH:-8}; SFT_LR=${SFT_LR:-1e-3}
+# SFT: two passes over the rewarded hosted calls, 8 calls a step (README, "Measured": why these)
+SFT_EPOCHS=${SFT_EPOCHS:-2}; SFT_BATCH=${SFT_BATCH:-8}; SFT_LR=${SFT_LR:-1e-3}
 RL_LR=${RL_LR:-3e-4}; BAD_LR=${BAD_LR:-3e-2}                # the bad version: 100x the learning rate
 OTLP_PORT=${OTLP_PORT:-4318}; GRPC_PORT=${GRPC_PORT:-4317}; API_PORT=${API_PORT:-8321}
 VLLM_PORT=${VLLM_PORT:-8000}; GATEWAY_PORT=${GATEWAY_PORT:-8100}
@@ -110,7 +110,9 @@ decided() {  # VERSION: wait (at most 5 minutes) until the canary promoted or ro
 # waits at every matmul's barrier for the one that was descheduled (README, "Measured": the SFT of 114
 # calls ran 26 minutes on two threads, mostly in gomp_team_barrier_wait_end)
 TRAIN=(--data-dir "$DATA" --model "$MODEL" --vllm-url "http://127.0.0.1:$VLLM_PORT"
-       --sync lora --lora-r 16 --seed "$SEED" --torch-threads "${TORCH_THREADS:-1}")
+       --sync lora --lora-r 16 --seed "$SEED")
+THREADS=(--torch-threads "${TORCH_THREADS:-1}")     # the RL trainer's, beside the users' traffic on vLLM
+SFT_THREADS=(--torch-threads "${SFT_THREADS:-2}")   # the SFT's: no traffic then, vLLM idle
 # the hosted model's rewarded calls; a fifth of the requests (by a hash of the request) held out
 HOSTED="request_model = 'hosted-model' AND human_reward IS NOT NULL"
 SELECT="$HOSTED AND human_reward >= 1 AND hash(rollout_key) % 5 <> 0"
@@ -131,7 +133,7 @@ for stage in "$@"; do
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy-base
       mark base_traffic; traffic base 1 --hours "$EVAL_HOURS"
       stop "$SERVICE_PID"; mark sft_train
-      $LS train --algo sft --mode once "${TRAIN[@]}" --learning-rate "$SFT_LR" --batch-size "$SFT_BATCH" \
+      $LS train --algo sft --mode once "${TRAIN[@]}" "${SFT_THREADS[@]}" --learning-rate "$SFT_LR" --batch-size "$SFT_BATCH" \
         --sft-epochs "$SFT_EPOCHS" --select "$SELECT" --val-select "$VAL_SELECT" 2>&1 | tee "$LOGS/sft.log"
       cp "$DATA"/checkpoints/v*/sft_summary.json "$OUT/" 2>/dev/null || true
       mark sft_traffic "\"version\": $(version)"
@@ -153,7 +155,7 @@ for stage in "$@"; do
       # default, explicit here): a round trains nothing while the latest version's canary is undecided
       # --verify-sync false: the sync check's prompt_logprobs request, batched with the users' requests
       # on a LoRA adapter, kills vLLM's CPU engine (docs/architecture.md, "einsum(): subscript b")
-      $LS train --mode every --every "${EVERY:-4m}" "${TRAIN[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
+      $LS train --mode every --every "${EVERY:-4m}" "${TRAIN[@]}" "${THREADS[@]}" --learning-rate "$RL_LR" --min-transitions 8 \
         --verify-sync false --hold-while-canary true >"$LOGS/train.log" 2>&1 & TRAIN_PID=$!; PIDS+=($TRAIN_PID)
       mark rl_traffic; traffic rl 3 --hours "${RL_HOURS:-8}" --seconds-per-hour "${SECONDS_PER_HOUR:-60}"
       stop "$TRAIN_PID"; mark bad_train
@@ -163,7 +165,7 @@ for stage in "$@"; do
       touch "$DATA/.builds-stop"; wait "$BUILDS_PID" || true       # one build at a time
       before=$(version)
       build
-      $LS train --mode once "${TRAIN[@]}" --learning-rate "$BAD_LR" --min-transitions 1 --hold-while-canary false \
+      $LS train --mode once "${TRAIN[@]}" "${THREADS[@]}" --learning-rate "$BAD_LR" --min-transitions 1 --hold-while-canary false \
         >"$LOGS/bad.log" 2>&1
       bad=$(version)
       [ "$bad" -gt "$before" ] || { echo "run.sh: the bad version was not trained ($LOGS/bad.log says why)" >&2; exit 1; }
