@@ -15,6 +15,11 @@ wall-clock time), run.sh's ``OUT/timings.jsonl``, the SFT run's ``OUT/sft_summar
   and simulated hours of its traffic, from the canary's start to the decision) and the share of that
   traffic's requests it served before the decision;
 - ``deployments``: every canary decision, with its evidence; ``timings``: wall seconds per step.
+
+Over seeds, from their ``summary.json`` files (mean and range of each figure the README reports):
+
+    python examples/production/summarize.py --seeds examples/production/results/seed{0,1,2} \
+      --out examples/production/results/seeds.json
 """
 
 from __future__ import annotations
@@ -91,12 +96,67 @@ def bad_canary(timings: list[dict], decisions: list[dict], records: list[dict], 
     return out
 
 
+def spread(values: list) -> dict | None:
+    """Mean and range of the seeds' figures that exist (a run without the figure is left out, and counted)."""
+    xs = [v for v in values if v is not None]
+    return {"mean": round(sum(xs) / len(xs), 4), "min": min(xs), "max": max(xs), "seeds": len(xs)} if xs else None
+
+
+def across(summaries: dict[str, dict]) -> dict:
+    """The figures of several seeds' runs: reward per stage, SFT and RL by version, the bad version's canary, cost."""
+    runs = list(summaries.values())
+
+    def each(get) -> list:
+        out = []
+        for run in runs:
+            try:
+                out.append(get(run))
+            except (KeyError, TypeError):
+                out.append(None)
+        return out
+
+    stages = sorted({name for run in runs for name in run["stages"]}, key=STAGES.index)
+
+    def rl_versions(run: dict) -> float | None:
+        """The rl stage's reward on the requests the RL-trained versions served (not the SFT version's)."""
+        sft = set(run["stages"]["sft"]["by_version"])
+        mine = [v for k, v in run["stages"]["rl"]["by_version"].items() if k not in sft and k != "none"]
+        n = sum(v["requests"] for v in mine)
+        return round(sum(v["reward"] * v["requests"] for v in mine) / n, 4) if n else None
+
+    bad = [run.get("bad_version") or {} for run in runs]
+    return {
+        "runs": list(summaries),
+        "reward": {name: spread(each(lambda r, n=name: r["stages"][n]["reward"])) for name in stages},
+        "rl_trained_versions_reward": spread(each(rl_versions)),
+        "sft_exact_match": {"before": spread(each(lambda r: r["sft"]["val/exact_match_before"])),
+                            "after": spread(each(lambda r: r["sft"]["val/exact_match_after"]))},
+        "bad_version": {"decisions": [b.get("decision") for b in bad],
+                        "share_of_traffic": spread([b.get("share_of_traffic") for b in bad]),
+                        "served_by_bad_version": spread([b.get("served_by_bad_version") for b in bad]),
+                        "wall_s_to_decision": spread([b.get("wall_s_to_decision") for b in bad]),
+                        "simulated_h_to_decision": spread([b.get("simulated_h_to_decision") for b in bad])},
+        "wall_minutes": spread(each(lambda r: r["cost"]["wall_min"])),
+        "cpu_minutes": spread(each(lambda r: r["cost"]["cpu_min"]))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the run's results directory (run.sh's OUT)")
-    parser.add_argument("--records", required=True, help="the traffic's records (run.sh's LOGS)")
-    parser.add_argument("--data-dir", required=True, help="the run's lightspan data directory")
+    parser.add_argument("--out", required=True, help="the run's results directory (run.sh's OUT); with --seeds, "
+                                                      "the JSON file to write")
+    parser.add_argument("--records", help="the traffic's records (run.sh's LOGS)")
+    parser.add_argument("--data-dir", help="the run's lightspan data directory")
+    parser.add_argument("--seeds", nargs="+", metavar="DIR", help="summarise these runs' summary.json over seeds")
     args = parser.parse_args(argv)
+    if args.seeds:
+        summaries = {d: json.loads((Path(d) / "summary.json").read_text()) for d in args.seeds}
+        result = across(summaries)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({"reward": {k: v and v["mean"] for k, v in result["reward"].items()},
+                          "bad_version": result["bad_version"]["decisions"]}))
+        return 0
+    if not (args.records and args.data_dir):
+        parser.error("--records and --data-dir are needed for one run (or pass --seeds)")
     out = Path(args.out)
     from lightspan import store
 

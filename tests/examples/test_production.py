@@ -172,3 +172,32 @@ def test_bad_config_fails_at_start_naming_the_field_and_the_fix():
     with pytest.raises(ValueError, match="mistake_share"):
         standin.StandinConfig(mistake_share=-0.1)
     assert json.loads(json.dumps(traffic.TrafficConfig().__dict__))["feedback_share"] == 0.3
+
+
+def test_summary_over_seeds_gives_mean_and_range_and_skips_what_a_run_lacks(tmp_path):
+    summarize = importlib.import_module("examples.production.summarize")
+
+    def run(sft, rl_by_version, bad):
+        return {"stages": {"hosted": {"reward": 0.9}, "sft": {"reward": sft, "by_version": {"1": {}}},
+                           "rl": {"reward": 0.5, "by_version": rl_by_version}},
+                "sft": {"val/exact_match_before": 0.4, "val/exact_match_after": 0.6},
+                "bad_version": bad, "cost": {"wall_min": 30.0, "cpu_min": 20.0}}
+
+    seeds = []
+    for i, summary in enumerate([
+            run(0.6, {"1": {"requests": 30, "reward": 0.6}, "2": {"requests": 10, "reward": 0.5},
+                      "3": {"requests": 30, "reward": 0.7}},
+                {"decision": "rollback", "share_of_traffic": 0.5, "served_by_bad_version": 12}),
+            run(0.8, {"1": {"requests": 40, "reward": 0.8}}, None)]):
+        (tmp_path / f"seed{i}").mkdir()
+        (tmp_path / f"seed{i}" / "summary.json").write_text(json.dumps(summary))
+        seeds.append(str(tmp_path / f"seed{i}"))
+    assert summarize.main(["--seeds", *seeds, "--out", str(tmp_path / "seeds.json")]) == 0
+    result = json.loads((tmp_path / "seeds.json").read_text())
+    assert result["reward"]["sft"] == {"mean": 0.7, "min": 0.6, "max": 0.8, "seeds": 2}
+    # the RL versions' requests only (v2 and v3 of the first run), weighted by requests; the second run had none
+    assert result["rl_trained_versions_reward"] == {"mean": 0.65, "min": 0.65, "max": 0.65, "seeds": 1}
+    assert result["bad_version"]["decisions"] == ["rollback", None]
+    assert result["bad_version"]["share_of_traffic"]["seeds"] == 1
+    with pytest.raises(SystemExit):
+        summarize.main(["--out", str(tmp_path / "x")])        # one run needs its records and data dir
