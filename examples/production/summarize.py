@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import zip_longest
 from pathlib import Path
 
 STAGES = ("hosted", "base", "sft", "rl", "bad")
@@ -102,6 +103,15 @@ def spread(values: list) -> dict | None:
     return {"mean": round(sum(xs) / len(xs), 4), "min": min(xs), "max": max(xs), "seeds": len(xs)} if xs else None
 
 
+def hourly(series: list[list[float]]) -> list[float]:
+    """Per simulated hour, the mean over the runs that had that hour."""
+    means = []
+    for hour in zip_longest(*series):
+        xs = [x for x in hour if x is not None]
+        means.append(round(sum(xs) / len(xs), 4))
+    return means
+
+
 def across(summaries: dict[str, dict]) -> dict:
     """The figures of several seeds' runs: reward per stage, SFT and RL by version, the bad version's canary, cost."""
     runs = list(summaries.values())
@@ -128,6 +138,8 @@ def across(summaries: dict[str, dict]) -> dict:
     return {
         "runs": list(summaries),
         "reward": {name: spread(each(lambda r, n=name: r["stages"][n]["reward"])) for name in stages},
+        "reward_per_hour": {name: hourly([r["stages"][name].get("reward_per_hour", []) for r in runs
+                                          if name in r["stages"]]) for name in stages},
         "rl_trained_versions_reward": spread(each(rl_versions)),
         "sft_exact_match": {"before": spread(each(lambda r: r["sft"]["val/exact_match_before"])),
                             "after": spread(each(lambda r: r["sft"]["val/exact_match_after"]))},
@@ -150,6 +162,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.seeds:
         summaries = {d: json.loads((Path(d) / "summary.json").read_text()) for d in args.seeds}
+        for d, summary in summaries.items():   # measure.py writes cost.json after run.sh's own summary
+            if summary.get("cost") is None and (Path(d) / "cost.json").is_file():
+                summary["cost"] = json.loads((Path(d) / "cost.json").read_text())
         result = across(summaries)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({"reward": {k: v and v["mean"] for k, v in result["reward"].items()},

@@ -178,7 +178,7 @@ def test_summary_over_seeds_gives_mean_and_range_and_skips_what_a_run_lacks(tmp_
     summarize = importlib.import_module("examples.production.summarize")
 
     def run(sft, rl_by_version, bad):
-        return {"stages": {"hosted": {"reward": 0.9}, "sft": {"reward": sft, "by_version": {"1": {}}},
+        return {"stages": {"hosted": {"reward": 0.9, "reward_per_hour": [0.8 if sft < 0.7 else 0.9, 0.9]}, "sft": {"reward": sft, "by_version": {"1": {}}},
                            "rl": {"reward": 0.5, "by_version": rl_by_version}},
                 "sft": {"val/exact_match_before": 0.4, "val/exact_match_after": 0.6},
                 "bad_version": bad, "cost": {"wall_min": 30.0, "cpu_min": 20.0}}
@@ -198,6 +198,7 @@ def test_summary_over_seeds_gives_mean_and_range_and_skips_what_a_run_lacks(tmp_
     # the RL versions' requests only (v2 and v3 of the first run), weighted by requests; the second run had none
     assert result["rl_trained_versions_reward"] == {"mean": 0.65, "min": 0.65, "max": 0.65, "seeds": 1}
     assert result["bad_version"]["decisions"] == ["rollback", None]
+    assert result["reward_per_hour"]["hosted"] == [0.85, 0.9]
     assert result["bad_version"]["share_of_traffic"]["seeds"] == 1
     with pytest.raises(SystemExit):
         summarize.main(["--out", str(tmp_path / "x")])        # one run needs its records and data dir
