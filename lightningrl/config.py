@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from lightspan.core.config import ConfigError, option
+from lightspan.core.config import ConfigError, option, parse_duration
 from lightspan.core.config import parse_time as core_parse_time
 from lightspan.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from lightspan.store.policies import POLICIES_ENV, TRANSITIONS_FIELDS, PolicyConfig, override
@@ -174,6 +174,10 @@ class TransitionsConfig:
     watermark_lag_s: float = option(
         300.0, "Spans received within this many seconds before a build are read again by the next "
         "one, so spans still on their way from the collector's queue to Parquet are not missed.")
+    every: str = option(
+        "", "Build again on this schedule, a duration such as '30s' or '5m' (empty: build once and exit), "
+        "each build's metrics a JSON line; a build that fails is logged and the next runs on time; "
+        "SIGINT or SIGTERM stops after the current build. Incremental builds only.")
 
     def __post_init__(self):
         def bad(name: str, problem: str, fix: str):
@@ -189,6 +193,16 @@ class TransitionsConfig:
                 "give a discount in (0, 1]; 1.0 sums rewards undiscounted")
         if not self.split:
             bad("split", "is empty", "name a split, e.g. 'train'")
+        if self.every:
+            try:
+                period = parse_duration(self.every)
+            except ValueError:
+                period = 0.0
+            if period <= 0:
+                bad("every", f"{self.every!r} is not a positive duration", "give e.g. '30s', '5m' or '1h30m'")
+            if not self.incremental:
+                bad("every", "a scheduled build must be incremental (each would store every rollout again)",
+                    "drop --incremental false, or build once without --every")
         try:
             re.compile(self.agent_match)
         except (re.error, TypeError) as err:

@@ -94,7 +94,16 @@ def _deploy_arguments(p: argparse.ArgumentParser) -> None:
 def _transitions(cfg, args) -> int:
     from lightspan.lightningrl.builder import run
 
-    return _print_json(run(cfg))
+    if not cfg.every:
+        return _print_json(run(cfg))
+    from lightspan.core import schedule
+    from lightspan.core.config import parse_duration
+
+    def build() -> None:
+        _print_json(run(cfg))
+        sys.stdout.flush()
+
+    return schedule.every(parse_duration(cfg.every), build, name="transitions build")
 
 
 def _train(cfg, args) -> int:
