@@ -9,7 +9,7 @@ any agent command and any train/val JSONL:
    empty adapter into vLLM) before any rollout;
 2. validation: the held-out tasks, greedy (temperature 0), one rollout each;
 3. ``steps`` times: ``tasks_per_step`` training tasks × ``samples`` rollouts (temperature
-   ``temperature``) → ``lightspan transitions build`` (with ``agent_match``) → handed to the
+   ``temperature``) → a transitions build (with ``agent_match``) → handed to the
    trainer, which takes one GRPO step on them and syncs the new weights into vLLM (in-place reload,
    or a LoRA adapter with ``lora_r``); every ``val_every`` steps (and after the last) validation
    again with the newest policy, once the trainer has caught up;
@@ -24,7 +24,9 @@ skips anything staler (it is given the same bound) and corrects the rest by impo
 against the logprobs vLLM recorded at sampling time. ``max_staleness`` 0 is the lock-step loop.
 
 Each rollout is ``lightspan rollout``'s (forked from a warm worker, or a fresh process under
-``opentelemetry-instrument``) with the task in ``LIGHTSPAN_TASK``. Train tasks get ``temperature``
+``opentelemetry-instrument``) with the task in ``LIGHTSPAN_TASK``: one ``Runner`` (rollout/runner.py)
+serves every batch of the run and the transitions are built in this process, so the worker's warm-up
+and the jobs' start-up are paid once, not every step. Train tasks get ``temperature``
 and val tasks ``temperature: 0`` added to their JSON (an agent reads it, as it reads any other task
 field). Rewards come from the store: ``rollouts.final_reward``; "solved" counts rollouts with a
 reward >= ``solved_at``.
@@ -47,11 +49,12 @@ import requests
 
 from lightspan import inference
 from lightspan.inference import LORA_RANKS
-from lightspan.lightningrl.config import OUTPUTS
-from lightspan.core.config import ConfigError, option
+from lightspan.lightningrl.builder import run as build_transitions
+from lightspan.lightningrl.config import OUTPUTS, TransitionsConfig
+from lightspan.core.config import ConfigError, option, resolve
 from lightspan.experiment_report import plot, report
 from lightspan.models import DEFAULT_SMOLLM2_DIR
-from lightspan.rollout.runner import RolloutConfig, load_tasks
+from lightspan.rollout.runner import RolloutConfig, Runner, load_tasks
 from lightspan.trainer.config import NORMALISATIONS, ZERO_ADVANTAGE
 from lightspan.runs import (
     CpuClock,
@@ -60,7 +63,6 @@ from lightspan.runs import (
     fresh_data_dir,
     lightspan,
     query_one,
-    run_json,
     spawner,
     trainer_stats,
     wait_published,
@@ -194,10 +196,12 @@ def agent_command(agent: str) -> list[str]:
     return parts
 
 
-def build_command(cfg: ExperimentConfig, data: Path) -> list[str]:
-    """The transitions build the loop runs after each step's rollouts."""
-    return lightspan("transitions", "build", "--data-dir", str(data), "--credit", cfg.credit,
-                     "--agent-match", cfg.agent_match, "--output", cfg.output)
+def build_config(cfg: ExperimentConfig, data: Path) -> TransitionsConfig:
+    """The transitions build the loop runs (in this process) after each step's rollouts: the
+    experiment's choices over ``[transitions]``' defaults and LIGHTSPAN_TRANSITIONS_* variables."""
+    return resolve(TransitionsConfig, section="transitions",
+                   cli={"data_dir": str(data), "credit": cfg.credit, "agent_match": cfg.agent_match,
+                        "output": cfg.output})
 
 
 def step_tasks(train: list[dict], step: int, per_step: int, temperature: float) -> list[dict]:
@@ -274,16 +278,19 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
     with ExitStack() as stack:
         vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages, procs), stages, data, model_dir,
                                       ports)
-        rollout_args = ["--otlp-endpoint", f"http://127.0.0.1:{ports['http']}", "--openai-base-url",
-                        f"{vllm_url}/v1", "--data-dir", str(data), "--concurrency", str(cfg.concurrency),
-                        "--timeout-s", str(cfg.rollout_timeout_s)]
-        if cfg.env_map:
-            rollout_args += ["--env-map", ",".join(cfg.env_map)]
+        # one runner for the whole run: its warm worker and span shipper serve every step's rollouts
+        runner = stack.enter_context(Runner(RolloutConfig(
+            tasks=str(val_file), otlp_endpoint=f"http://127.0.0.1:{ports['http']}",
+            openai_base_url=f"{vllm_url}/v1", data_dir=str(data), concurrency=cfg.concurrency,
+            timeout_s=cfg.rollout_timeout_s, env_map=cfg.env_map,
+            collector_api_url=f"http://127.0.0.1:{ports['api']}"), agent))
         api = f"http://127.0.0.1:{ports['api']}"
 
         def rollouts(tasks_file: Path, split: str, samples: int) -> dict:
-            outcome = run_json(lightspan("rollout", "--tasks", str(tasks_file), "--split", split,
-                                         "--samples", str(samples), *rollout_args, "--", *agent))
+            outcome = runner.run(load_tasks(tasks_file, variables), split=split, samples=samples)
+            if outcome["delivery"]["lost"]:       # as `lightspan rollout` exits non-zero: never trained on silently
+                raise RuntimeError(f"{outcome['delivery']['lost']} spans of the {split} rollouts did not reach the "
+                                   f"collector: {outcome['delivery']}")
             requests.post(f"{api}/v1/flush", timeout=60).raise_for_status()  # spans into Parquet now
             return outcome
 
@@ -305,7 +312,7 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
                      step, version, row["reward_mean"], 100 * row["solved"], row["rollouts"], row["cpu_seconds"])
 
         validate(0)
-        build = build_command(cfg, data)
+        build = build_config(cfg, data)
         for step in range(cfg.steps):
             # the rollouts of this step start once they cannot end up staler than max_staleness
             stages.time("train + sync (waiting)", queue.wait, cfg.max_staleness)
@@ -313,7 +320,7 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
             tasks = step_tasks(train, step, cfg.tasks_per_step, cfg.temperature)
             outcome = stages.time("rollouts", rollouts, write_jsonl(data / f"train_tasks_{step:03d}.jsonl", tasks),
                                   "train", cfg.samples)
-            built = stages.time("transitions", run_json, build)
+            built = stages.time("transitions", build_transitions, build)
             trainable = int(built.get("transitions/nonzero_advantage", 0))
             queue.submit(trainable)
             row = {"step": step + 1, **_rewards(data, "train", [t["id"] for t in tasks], outcome["policy_version"],

@@ -62,7 +62,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -334,50 +334,83 @@ def _run_agent(cfg: RolloutConfig, command: list[str], env: dict, task: dict, ro
 
 def run(cfg: RolloutConfig, command: list[str]) -> dict:
     """Run every task ``cfg.samples`` times; returns counts by outcome and the wall time."""
+    _require(command)
+    tasks = load_tasks(cfg.tasks, cfg.variables)      # a bad task is refused before anything starts
+    with Runner(cfg, command) as runner:
+        return runner.run(tasks)
+
+
+def _require(command: list[str]) -> None:
     if not command:
         raise ConfigError("rollout", "command", "no agent command given", "append: -- python my_agent.py")
-    tasks = load_tasks(cfg.tasks, cfg.variables)
-    version = store.policy.served_version(cfg.data_dir)
-    logs = Path(cfg.logs_dir) if cfg.logs_dir else store.Location(cfg.data_dir).local(ROLLOUT_LOGS_DIR)
-    logs.mkdir(parents=True, exist_ok=True)
-    endpoint.check(traces_endpoint(cfg), cfg.otlp_protocol)   # the wrong protocol is refused before any rollout
-    shipper = Shipper(traces_endpoint(cfg), cfg.otlp_protocol, cfg.export_timeout_s)
-    t0 = time.monotonic()
-    worker = None
-    if cfg.mode == "worker" and tasks:   # warmed up in the environment of a rollout of the first task
-        warm = agent_environment(cfg, tasks[0], "warm-up", version)
-        worker = start_worker(command, {**warm, "PATH": activated_path(command, warm.get("PATH", ""))},
-                              logs / "worker.log")
 
-    def attempt_all(task):
-        for attempt in range(cfg.retries + 1):
-            o = run_one(cfg, command, task, attempt, version, logs, worker, shipper)
-            record_outcome(shipper, cfg.split, o)
-            if o.outcome != "infra":
-                return o
-        return o
 
-    jobs = [task for task in tasks for _ in range(cfg.samples)]
-    done: dict[str, int] = {}
-    lock = threading.Lock()
+class Runner:
+    """Batches of rollouts through one warm worker and one span shipper. ``lightspan rollout`` runs one
+    batch; a loop that runs a batch per step (lightspan/experiment.py) keeps one Runner, so the zygote's
+    warm-up and the runner's start are paid once rather than every step. The worker starts with the
+    first batch, warmed up in the environment of a rollout of its first task; every rollout still gets
+    its own environment, and a batch's policy version is read when the batch starts."""
 
-    def tracked(task, bar):
-        o = attempt_all(task)
-        with lock:
-            done[o.outcome] = done.get(o.outcome, 0) + 1
-            bar.update(" ".join(f"{k} {v}" for k, v in sorted(done.items())))
-            bar.advance()
-        return o
+    def __init__(self, cfg: RolloutConfig, command: list[str]):
+        _require(command)
+        self.cfg, self.command = cfg, command
+        self.logs = Path(cfg.logs_dir) if cfg.logs_dir else store.Location(cfg.data_dir).local(ROLLOUT_LOGS_DIR)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        endpoint.check(traces_endpoint(cfg), cfg.otlp_protocol)  # the wrong protocol is refused before any rollout
+        self.shipper = Shipper(traces_endpoint(cfg), cfg.otlp_protocol, cfg.export_timeout_s)
+        self.worker: Worker | None = None
+        self._worker_tried = False
 
-    try:
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            if self.worker is not None:
+                self.worker.close()
+        finally:
+            self.shipper.close()
+
+    def run(self, tasks: list[dict], *, split: str | None = None, samples: int | None = None) -> dict:
+        """Each of ``tasks`` ``samples`` times (default: the config's), as ``split``; the summary."""
+        cfg = replace(self.cfg, split=split or self.cfg.split, samples=samples or self.cfg.samples)
+        version = store.policy.served_version(cfg.data_dir)
+        t0 = time.monotonic()
+        if cfg.mode == "worker" and tasks and not self._worker_tried:
+            self._worker_tried = True
+            warm = agent_environment(cfg, tasks[0], "warm-up", version)
+            warm["PATH"] = activated_path(self.command, warm.get("PATH", ""))
+            self.worker = start_worker(self.command, warm, self.logs / "worker.log")
+        worker, shipper = self.worker, self.shipper
+
+        def attempt_all(task):
+            for attempt in range(cfg.retries + 1):
+                o = run_one(cfg, self.command, task, attempt, version, self.logs, worker, shipper)
+                record_outcome(shipper, cfg.split, o)
+                if o.outcome != "infra":
+                    return o
+            return o
+
+        jobs = [task for task in tasks for _ in range(cfg.samples)]
+        done: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def tracked(task, bar):
+            o = attempt_all(task)
+            with lock:
+                done[o.outcome] = done.get(o.outcome, 0) + 1
+                bar.update(" ".join(f"{k} {v}" for k, v in sorted(done.items())))
+                bar.advance()
+            return o
+
         with progress(f"rollouts ({cfg.split})", total=len(jobs)) as bar, ThreadPoolExecutor(cfg.concurrency) as pool:
             outcomes = list(pool.map(lambda task: tracked(task, bar), jobs))
-    finally:
-        if worker is not None:
-            worker.close()
-        shipper.close()
-    counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
-    return {"rollouts": len(outcomes), **counts, "policy_version": version,
-            "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker",
-            "capture": capture_summary(outcomes, bool(cfg.gateway_url)),
-            "delivery": delivery_summary(outcomes, bool(cfg.gateway_url))}
+        counts = {k: sum(o.outcome == k for o in outcomes) for k in ("ok", "failed", "timeout", "infra")}
+        return {"rollouts": len(outcomes), **counts, "policy_version": version,
+                "wall_seconds": round(time.monotonic() - t0, 2), "mode": "process" if worker is None else "worker",
+                "capture": capture_summary(outcomes, bool(cfg.gateway_url)),
+                "delivery": delivery_summary(outcomes, bool(cfg.gateway_url))}

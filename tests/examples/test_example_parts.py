@@ -97,17 +97,19 @@ def test_experiment_cycles_train_tasks_with_new_ids():
     assert agent_command("node agent.js --fast") == ["node", "agent.js", "--fast"]
 
 
-def test_experiment_builds_the_transitions_it_is_told_to(tmp_path):
+def test_experiment_builds_the_transitions_it_is_told_to(tmp_path, monkeypatch):
     from lightspan.core.config import ConfigError
-    from lightspan.experiment import ExperimentConfig, build_command
+    from lightspan.experiment import ExperimentConfig, build_config
 
     tasks = tmp_path / "t.jsonl"
     tasks.write_text('{"id": "a"}\n')
     files = {"agent": "agent.py", "train_tasks": str(tasks), "val_tasks": str(tasks)}
-    default = build_command(ExperimentConfig(**files), tmp_path)
-    assert default[default.index("--output") + 1] == "per_call"
-    merged = build_command(ExperimentConfig(**files, output="per_rollout", credit="discounted"), tmp_path)
-    assert merged[merged.index("--output") + 1] == "per_rollout" and "discounted" in merged
+    default = build_config(ExperimentConfig(**files), tmp_path)
+    assert (default.output, default.data_dir) == ("per_call", str(tmp_path))
+    merged = build_config(ExperimentConfig(**files, output="per_rollout", credit="discounted"), tmp_path)
+    assert (merged.output, merged.credit) == ("per_rollout", "discounted")
+    monkeypatch.setenv("LIGHTSPAN_TRANSITIONS_GAMMA", "0.5")      # the job's own settings still apply
+    assert build_config(ExperimentConfig(**files), tmp_path).gamma == 0.5
     with pytest.raises(ConfigError, match="output.*per_turn.*per_call, per_rollout"):
         ExperimentConfig(**files, output="per_turn")
     with pytest.raises(ConfigError, match="trainer_wait_s"):
