@@ -1,7 +1,7 @@
 """Benchmark: CPU per rollout of ``lightspan rollout`` in worker mode and in process mode, beside a
 bare ``python agent.py``, in the same run.
 
-    .venv/bin/python bench/rollout_overhead.py [--rollouts 32] [--rounds 5] [--concurrency 4]
+    .venv/bin/python bench/rollout_overhead.py [--rollouts 32] [--rounds 5] [--concurrency 4] [--batches 8]
 
 1. A stub server on loopback, in its own process, stands in for vLLM and the collector: it answers
    ``POST /v1/chat/completions`` with a canned answer shaped as vLLM 0.32's (bench/capture_overhead.py's
@@ -16,6 +16,9 @@ bare ``python agent.py``, in the same run.
    - **process**: ``lightspan rollout --mode process`` (each rollout ``opentelemetry-instrument python agent.py``);
    - **bare**: ``python agent.py`` once per task, one after the other, with the task in its environment
      and no instrumentation (nothing exported).
+   - **kept**: ``--batches`` such batches through one ``Runner`` (rollout/runner.py), as an experiment
+     runs every step's rollouts since session 21: the runner's start and the zygote's warm-up paid once
+     for all of them. Its CPU per rollout is the whole process's over ``--batches`` × ``--rollouts``.
    The CPU time of each is user + system of the whole process tree, as the kernel accounts it to
    the process this script waits for (``os.wait4``): every descendant was waited for by its parent,
    so the runner, the zygote, the children, the launchers and the agents are all in it, and so is
@@ -160,6 +163,11 @@ def measure(args) -> dict:
     def process():
         return _cpu([*rollout, "--mode", "process", "--", *agent], env, str(work))
 
+    def kept():
+        cpu, wall = _cpu([sys.executable, __file__, "--kept", str(args.batches), "--kept-tasks", str(work / "tasks.jsonl"),
+                          "--kept-url", url, "--concurrency", str(args.concurrency), "--", *agent], env, str(work))
+        return cpu / args.batches, wall / args.batches
+
     def bare():
         cpu = wall = 0.0
         for t in tasks:
@@ -167,20 +175,21 @@ def measure(args) -> dict:
             cpu, wall = cpu + c, wall + w
         return cpu, wall
 
-    targets = {"worker": worker, "process": process, "bare": bare}
+    targets = {"worker": worker, "process": process, "bare": bare, "kept": kept}
     rounds, load = [], [os.getloadavg()[0]]
     try:
         requests.get(f"{url}/spans", timeout=5)
         for r in range(args.rounds + 1):              # round 0 warms the page cache, not counted
-            order = list(targets)[r % 3:] + list(targets)[:r % 3]
+            order = list(targets)[r % len(targets):] + list(targets)[:r % len(targets)]
             row, shapes = {}, {}
             for name in order:
                 cpu, wall = targets[name]()
                 row[name] = {"cpu_per_rollout": cpu / args.rollouts, "wall_s": wall}
                 if name != "bare":
-                    shapes[name] = _span_shapes(requests.get(f"{url}/spans", timeout=30).json(), args.rollouts)
-            if shapes["worker"] != shapes["process"]:
-                raise RuntimeError(f"worker and process mode exported different spans: {shapes}")
+                    n = args.rollouts * (args.batches if name == "kept" else 1)
+                    shapes[name] = _span_shapes(requests.get(f"{url}/spans", timeout=30).json(), n)
+            if not shapes["worker"] == shapes["process"] == shapes["kept"]:
+                raise RuntimeError(f"the runners exported different spans: {shapes}")
             row["spans_per_rollout"] = shapes["worker"]
             if r:
                 rounds.append(row)
@@ -191,8 +200,10 @@ def measure(args) -> dict:
     load.append(os.getloadavg()[0])
     med = {k: statistics.median(r[k]["cpu_per_rollout"] for r in rounds) for k in targets}
     ratio = {f"{k}/bare": statistics.median(r[k]["cpu_per_rollout"] / r["bare"]["cpu_per_rollout"] for r in rounds)
-             for k in ("worker", "process")}
-    return {"rollouts": args.rollouts, "rounds": args.rounds, "concurrency": args.concurrency,
+             for k in ("worker", "process", "kept")}
+    ratio["kept/worker"] = statistics.median(r["kept"]["cpu_per_rollout"] / r["worker"]["cpu_per_rollout"]
+                                             for r in rounds)
+    return {"rollouts": args.rollouts, "rounds": args.rounds, "concurrency": args.concurrency, "batches": args.batches,
             "median_cpu_per_rollout": med, "median_ratio": ratio, "spans_per_rollout": rounds[0]["spans_per_rollout"],
             "rounds_detail": rounds, "load_1m": load}
 
@@ -206,15 +217,36 @@ def _span_shapes(by_rollout: dict, n: int) -> dict:
     return dict(Counter(next(iter(shapes))))
 
 
+def kept_batches(batches: int, tasks_file: str, url: str, concurrency: int, agent: list[str]) -> None:
+    """The kept arm's process: ``batches`` batches of the task file through one Runner."""
+    from lightspan.rollout.runner import RolloutConfig, Runner, load_tasks
+
+    cfg = RolloutConfig(tasks=tasks_file, samples=1, concurrency=concurrency, otlp_endpoint=url,
+                        openai_base_url=f"{url}/v1", data_dir=str(Path(tasks_file).parent), timeout_s=120)
+    with Runner(cfg, agent) as runner:
+        for _ in range(batches):
+            outcome = runner.run(load_tasks(tasks_file))
+            if outcome["ok"] != outcome["rollouts"] or outcome["delivery"]["lost"]:
+                raise SystemExit(f"a kept batch failed: {outcome}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=32, help="rollouts per mode and round (a demo step's 4 x 8)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=8, help="batches the kept arm runs through one Runner")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kept", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kept-tasks", help=argparse.SUPPRESS)
+    parser.add_argument("--kept-url", help=argparse.SUPPRESS)
+    parser.add_argument("agent", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
+        return
+    if args.kept:
+        kept_batches(args.kept, args.kept_tasks, args.kept_url, args.concurrency, args.agent)
         return
     result = measure(args)
     med, ratio = result["median_cpu_per_rollout"], result["median_ratio"]
@@ -223,7 +255,9 @@ def main() -> None:
     print(f"  bare python agent.py        {med['bare']:.3f}")
     print(f"  lightspan rollout (worker)  {med['worker']:.3f}   ({ratio['worker/bare']:.2f}x bare)")
     print(f"  lightspan rollout (process) {med['process']:.3f}   ({ratio['process/bare']:.2f}x bare)")
-    print(f"  spans per rollout (both modes): {result['spans_per_rollout']}")
+    print(f"  one Runner, {args.batches} batches  {med['kept']:.3f}   ({ratio['kept/bare']:.2f}x bare, "
+          f"{ratio['kept/worker']:.2f}x a lightspan rollout per batch)")
+    print(f"  spans per rollout (every runner alike): {result['spans_per_rollout']}")
     print(json.dumps(result))
 
 
