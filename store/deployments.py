@@ -130,7 +130,10 @@ class Reader:
                         data = self.where.read_bytes(key)
                     except FileNotFoundError:
                         continue
-                    self._rows[key] = pq.read_table(pa.BufferReader(data)).to_pylist()
+                    # no Arrow thread (a few rows): its pools' threads, left running, can abort the
+                    # interpreter at exit (apache/arrow#34314; `lightspan deploy list` 5 of 40 runs)
+                    table = pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False)
+                    self._rows[key] = table.to_pylist()
             return [r for key in keys for r in self._rows.get(key, ())]
 
     def state(self) -> dict[str, Deployment]:

@@ -381,3 +381,21 @@ def test_a_named_policys_calls_are_routed_by_its_own_canary(tmp_path):
     assert canary.route("policy", "r1") == ("policy-v1", 1)                # the unnamed policy: no canary
     assert canary.route("writer-v4", "r1") == ("writer-v4", 4)              # pinned by the caller
     assert canary.route("other-model", "r1") == ("other-model", None)      # not a policy: untouched
+
+
+def test_deploy_list_exits_cleanly_every_time(tmp_path):
+    """Arrow's reader threads left running abort the interpreter at exit now and then
+    (apache/arrow#34314): one run in four of `lightspan deploy list` did, before it read on one thread."""
+    import subprocess
+    import sys
+
+    for i in range(3):       # a file per decision, as the gateway writes them
+        dep.record(tmp_path, [dep.row("", i + 1, "serve" if i == 0 else "canary", time_unix_nano=i + 1,
+                                      checkpoint=f"/ck/v{i + 1}")])
+    codes = []
+    for _ in range(12):
+        run = subprocess.run([sys.executable, "-m", "lightspan.cli", "deploy", "list", "--data-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=120)
+        codes.append(run.returncode)
+        assert json.loads(run.stdout)[0]["candidate"] == 3
+    assert codes == [0] * 12, codes
