@@ -74,17 +74,9 @@ gateway() {  # [CONFIG]: token ids for every call, canaries with a config that e
 
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
 
+BUILD=(--data-dir "$DATA" --group-by batch --min-group-size 8 --min-model-version 1)
 build() {  # RL's transitions: the rewarded requests of the trained versions (not SmolLM2 as it came, version 0)
-  $LS transitions build --data-dir "$DATA" --group-by batch --min-group-size 8 --min-model-version 1 \
-    >>"$LOGS/transitions.log" 2>&1
-}
-
-builds() {  # transitions as the feedback arrives: a build every 30 s until $DATA/.builds-stop exists
-  rm -f "$DATA/.builds-stop"
-  while [ ! -e "$DATA/.builds-stop" ]; do
-    build || echo "run.sh: a transitions build failed ($LOGS/transitions.log)" >&2
-    for _ in $(seq 30); do [ -e "$DATA/.builds-stop" ] && break; sleep 1; done
-  done
+  $LS transitions build "${BUILD[@]}" >>"$LOGS/transitions.log" 2>&1
 }
 
 mark() {  # EVENT [JSON fields]: $OUT/timings.jsonl, the wall-clock time of each step of the run
@@ -148,7 +140,8 @@ for stage in "$@"; do
       gateway $HERE/gateway.toml
       service "http://127.0.0.1:$GATEWAY_PORT/v1" policy
       build                  # the SFT policy's rewarded requests: the first step's data
-      builds & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
+      # then transitions as the feedback arrives: a build every 30 s (SIGTERM stops it after the current one)
+      $LS transitions build "${BUILD[@]}" --every 30s >>"$LOGS/transitions.log" 2>&1 & BUILDS_PID=$!; PIDS+=($BUILDS_PID)
       # a version every EVERY: 4 simulated hours at 60 s an hour, about what a canary's decision takes
       # (20 rewarded requests per arm at half of 40 an hour, half of them rated 0.5 to 3 hours late),
       # so that a candidate is mostly decided before the next one supersedes it; --hold-while-canary (the
@@ -162,7 +155,7 @@ for stage in "$@"; do
       # (d) the bad version: one step at 100x the learning rate on what is left (the feedback that came
       # after the scheduled trainer's last step, built now); the canary must roll it back
       # (--hold-while-canary false: it is published even while the last scheduled version's canary runs)
-      touch "$DATA/.builds-stop"; wait "$BUILDS_PID" || true       # one build at a time
+      stop "$BUILDS_PID"                                     # one build at a time: the scheduled one ends first
       before=$(version)
       build
       $LS train --mode once "${TRAIN[@]}" "${THREADS[@]}" --learning-rate "$BAD_LR" --min-transitions 1 --hold-while-canary false \
