@@ -24,7 +24,7 @@ def every(period_s: float, job: Callable[[], object], *, stop: threading.Event |
     """Run ``job`` every ``period_s`` seconds until ``stop`` is set (by SIGINT or SIGTERM when this is
     the main thread). Returns 0 if the last run succeeded, 1 if it raised."""
     stop = stop or threading.Event()
-    previous = _install(stop)
+    previous = install_stop_handlers(stop, "run")
     failures, last_ok = 0, True
     try:
         deadline = time.monotonic()
@@ -39,19 +39,25 @@ def every(period_s: float, job: Callable[[], object], *, stop: threading.Event |
             deadline = max(deadline + period_s, time.monotonic())
             stop.wait(deadline - time.monotonic())
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
     return 0 if last_ok else 1
 
 
-def _install(stop: threading.Event) -> dict:
+def install_stop_handlers(stop: threading.Event, what: str) -> dict:
+    """SIGINT and SIGTERM set ``stop`` (the current ``what`` finishes first); a second one raises
+    KeyboardInterrupt. Only in the main thread; returns the handlers replaced (:func:`restore_handlers`)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handler(signum, frame):
         if stop.is_set():                     # a second signal: stop now
             raise KeyboardInterrupt
-        log.info("%s: finishing the current run, then stopping", signal.Signals(signum).name)
+        log.info("%s: finishing the current %s, then stopping", signal.Signals(signum).name, what)
         stop.set()
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

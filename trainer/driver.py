@@ -13,7 +13,6 @@ every rank runs this; ranks stop together, at rank 0's signal, and exit through
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
@@ -21,6 +20,7 @@ import torch
 
 from lightspan.core.config import ConfigError, parse_duration
 from lightspan.core.progress import progress
+from lightspan.core.schedule import install_stop_handlers, restore_handlers
 from lightspan.trainer import distributed as dist
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
@@ -69,7 +69,7 @@ def _run(trainer: Trainer | PolicyTrainers, config: TrainerConfig) -> int:
 def _train(trainer: Trainer | PolicyTrainers, config: TrainerConfig) -> int:
     """The run itself: publish the starting policy, then train once, continuously or on a schedule."""
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    previous = install_stop_handlers(stop, "step")
     server = None
     try:
         trainer.start()
@@ -109,7 +109,7 @@ def _train(trainer: Trainer | PolicyTrainers, config: TrainerConfig) -> int:
         log.error("%s", exc)
         return 1
     finally:
-        _restore_handlers(previous)
+        restore_handlers(previous)
         if server is not None:
             server.stop()
 
@@ -118,21 +118,3 @@ def _describe(row: dict) -> str:
     reward = row.get("reward_mean")
     return (f"{row['policy'] + ' ' if row.get('policy') else ''}version {row['policy_version']}"
             + ("" if reward is None else f", reward {reward:.3f}"))
-
-
-def _install_stop_handlers(stop: threading.Event) -> dict:
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum, frame):
-        if stop.is_set():                    # a second signal: stop now
-            raise KeyboardInterrupt
-        log.info("%s: finishing the current step, then stopping", signal.Signals(signum).name)
-        stop.set()
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_handlers(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
