@@ -196,6 +196,15 @@ def agent_command(agent: str) -> list[str]:
     return parts
 
 
+def rollout_config(cfg: ExperimentConfig, data: Path, tasks: Path, ports: dict, vllm_url: str) -> RolloutConfig:
+    """The runner every step's rollouts go through: the experiment's services and choices over
+    ``[rollout]``' defaults and LIGHTSPAN_ROLLOUT_* variables (``mode``, ``retries``, ...)."""
+    return resolve(RolloutConfig, section="rollout", cli={
+        "tasks": str(tasks), "data_dir": str(data), "otlp_endpoint": f"http://127.0.0.1:{ports['http']}",
+        "openai_base_url": f"{vllm_url}/v1", "collector_api_url": f"http://127.0.0.1:{ports['api']}",
+        "concurrency": cfg.concurrency, "timeout_s": cfg.rollout_timeout_s, "env_map": cfg.env_map})
+
+
 def build_config(cfg: ExperimentConfig, data: Path) -> TransitionsConfig:
     """The transitions build the loop runs (in this process) after each step's rollouts: the
     experiment's choices over ``[transitions]``' defaults and LIGHTSPAN_TRANSITIONS_* variables."""
@@ -279,11 +288,7 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
         vllm_url, trainer = _services(cfg, spawner(stack, data / "logs", env, stages, procs), stages, data, model_dir,
                                       ports)
         # one runner for the whole run: its warm worker and span shipper serve every step's rollouts
-        runner = stack.enter_context(Runner(RolloutConfig(
-            tasks=str(val_file), otlp_endpoint=f"http://127.0.0.1:{ports['http']}",
-            openai_base_url=f"{vllm_url}/v1", data_dir=str(data), concurrency=cfg.concurrency,
-            timeout_s=cfg.rollout_timeout_s, env_map=cfg.env_map,
-            collector_api_url=f"http://127.0.0.1:{ports['api']}"), agent))
+        runner = stack.enter_context(Runner(rollout_config(cfg, data, val_file, ports, vllm_url), agent))
         api = f"http://127.0.0.1:{ports['api']}"
 
         def rollouts(tasks_file: Path, split: str, samples: int) -> dict:

@@ -99,7 +99,7 @@ def test_experiment_cycles_train_tasks_with_new_ids():
 
 def test_experiment_builds_the_transitions_it_is_told_to(tmp_path, monkeypatch):
     from lightspan.core.config import ConfigError
-    from lightspan.experiment import ExperimentConfig, build_config
+    from lightspan.experiment import ExperimentConfig, build_config, rollout_config
 
     tasks = tmp_path / "t.jsonl"
     tasks.write_text('{"id": "a"}\n')
@@ -110,6 +110,12 @@ def test_experiment_builds_the_transitions_it_is_told_to(tmp_path, monkeypatch):
     assert (merged.output, merged.credit) == ("per_rollout", "discounted")
     monkeypatch.setenv("LIGHTSPAN_TRANSITIONS_GAMMA", "0.5")      # the job's own settings still apply
     assert build_config(ExperimentConfig(**files), tmp_path).gamma == 0.5
+    # and the rollouts': the experiment's services and choices, the rest from [rollout]'s variables
+    monkeypatch.setenv("LIGHTSPAN_ROLLOUT_MODE", "process")
+    rollouts = rollout_config(ExperimentConfig(**files, concurrency=3, env_map=("Q=input.question",)), tmp_path,
+                              tasks, {"http": 4318, "api": 8999}, "http://127.0.0.1:8001")
+    assert (rollouts.mode, rollouts.concurrency, rollouts.env_map) == ("process", 3, ("Q=input.question",))
+    assert (rollouts.collector_api_url, rollouts.openai_base_url) == ("http://127.0.0.1:8999", "http://127.0.0.1:8001/v1")
     with pytest.raises(ConfigError, match="output.*per_turn.*per_call, per_rollout"):
         ExperimentConfig(**files, output="per_turn")
     with pytest.raises(ConfigError, match="trainer_wait_s"):
