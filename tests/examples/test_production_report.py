@@ -60,14 +60,21 @@ def test_bad_canary_share_and_time_to_its_rollback():
 
 
 def test_run_sh_trainers_fit_a_shared_cpu_and_live_traffic():
-    """run.sh's trainers: one torch thread (two spin at OpenMP barriers on a shared 2-core machine),
-    and the scheduled one, which trains beside the users' requests, without the sync check whose
-    prompt_logprobs request kills vLLM's CPU engine under LoRA when batched with them."""
+    """run.sh's trainers: the RL ones on one torch thread (two spin at OpenMP barriers on a shared 2-core
+    machine while vLLM serves the users), the SFT on two (no traffic then); and the scheduled one, which
+    trains beside the users' requests, without the sync check whose prompt_logprobs request kills vLLM's
+    CPU engine under LoRA when batched with them."""
     from pathlib import Path
 
     text = (Path(summarize.__file__).parent / "run.sh").read_text()
+    assert 'THREADS=(--torch-threads "${TORCH_THREADS:-1}")' in text
+    assert 'SFT_THREADS=(--torch-threads "${SFT_THREADS:-2}")' in text
     train_args = text[text.index("TRAIN=("):text.index(")", text.index("TRAIN=("))]
-    assert '--torch-threads "${TORCH_THREADS:-1}"' in train_args
+    assert "--torch-threads" not in train_args            # each trainer says its own
+    sft = text[text.index("train --algo sft"):]
+    assert sft[:sft.index("\n")].count('"${SFT_THREADS[@]}"') == 1
     every = text[text.index("train --mode every"):]
     every = every[:every.index("TRAIN_PID=")]
-    assert "--verify-sync false" in every
+    assert "--verify-sync false" in every and '"${THREADS[@]}"' in every
+    bad = text[text.index('--learning-rate "$BAD_LR"') - 200:text.index('--learning-rate "$BAD_LR"')]
+    assert '"${THREADS[@]}"' in bad
