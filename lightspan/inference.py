@@ -55,6 +55,11 @@ class VLLMConfig:
     port: int = option(8000, "HTTP port of the OpenAI-compatible server.")
     max_model_len: int = option(1024, "Longest prompt + completion in tokens.")
     kv_cache_gib: int = option(1, "VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU.")
+    block_size: int = option(
+        32, "--block-size: tokens per KV-cache block. vLLM's prefix cache reuses whole blocks only, and its CPU "
+            "default (128) is longer than a short chat prompt, so the rollouts of a GRPO group would each compute "
+            "the prompt they share (bench/vllm_block_size.py). vLLM's CPU attention takes multiples of 32. "
+            "0: vLLM's own (on a GPU, 16).")
     memory_utilization: float = option(
         0.3, "--gpu-memory-utilization: on CPU, the share of the NUMA node's memory vLLM requires free at "
              "start-up (its default, 0.92, refuses to start beside a trainer).")
@@ -114,6 +119,9 @@ class VLLMConfig:
             self._check_policies()
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError("vllm", "chat_template", f"{self.chat_template} is not a file", "pass a Jinja template file")
+        if self.block_size < 0 or self.block_size % 16:
+            raise ConfigError("vllm", "block_size", f"vLLM takes no KV block of {self.block_size} tokens",
+                              "pass a multiple of 32 on CPU (32 by default), or 0 for vLLM's own")
         for name in ("reader_spin_s", "reader_recheck_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError("vllm", name, f"{getattr(self, name)} is not a number of seconds",
@@ -218,6 +226,7 @@ def command(cfg: VLLMConfig, extra: list[str] = ()) -> list[str]:
             "--host", cfg.host, "--port", str(cfg.port), "--dtype", "float32",
             "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+            *(["--block-size", str(cfg.block_size)] if cfg.block_size else []),
             "--gpu-memory-utilization", str(cfg.memory_utilization),
             "--disable-log-stats", *tools, *(["--chat-template", template] if template else []),
             *(["--structured-outputs-config", _COMPACT_JSON] if cfg.compact_json else []),

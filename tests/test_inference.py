@@ -59,7 +59,8 @@ def served(tmp_path_factory):
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "vllm", "--model", str(model), "--port", str(port),
                                  "--max-model-len", "1024", "--aliases", "gpt-4o-mini,claude-sonnet-4-5",
-                                 "--", "--max-num-seqs", "4"], stdout=out, stderr=subprocess.STDOUT)
+                                 "--", "--max-num-seqs", "4", "--enable-prompt-tokens-details"],
+                                stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         inference.wait_healthy(url, proc, 300, log_path)
@@ -88,6 +89,19 @@ def test_a_request_with_tools_is_served_and_its_prompt_renders_them(served):
     assert resp.status_code == 200, resp.text
     prompt = tokenizer.decode(resp.json()["prompt_token_ids"])
     assert "<tool_call>" in prompt and "<tool_response>\n5\n</tool_response>" in prompt
+
+
+def test_a_prompt_shorter_than_vllms_cpu_block_is_reused_from_the_prefix_cache(served):
+    """The 8 rollouts of a GRPO group share their prompt: the second request of a prompt of about 100
+    tokens takes all its whole 32-token blocks from the prefix cache (lightspan's block_size), where
+    vLLM's CPU default block of 128 tokens would cache none of it."""
+    _, url, _ = served
+    body = {"model": "policy", "max_tokens": 2, "temperature": 0.7,
+            "messages": [{"role": "user", "content": "What is 12 + 34? " * 5}]}
+    usage = [requests.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["usage"] for _ in range(2)]
+    prompt = usage[1]["prompt_tokens"]
+    assert 64 < prompt < 128
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 32 * 32
 
 
 def test_every_alias_is_served(served):
@@ -167,7 +181,9 @@ def test_an_unknown_tool_style_or_none_turns_tool_calling_off(tmp_path, caplog):
     assert "--tool-call-parser NAME" in caplog.text
     assert "--enable-auto-tool-choice" not in inference.command(_cfg(_model_dir(tmp_path / "b", models.CHATML_TEMPLATE),
                                                                      tool_call_parser="none"))
+    assert "--block-size" not in inference.command(_cfg(model, block_size=0))
     cmd = inference.command(_cfg(model, tool_call_parser="pythonic", extra_args="--max-num-seqs '8'"))
+    assert cmd[cmd.index("--block-size") + 1] == "32"
     assert cmd[cmd.index("--tool-call-parser") + 1] == "pythonic" and cmd[-2:] == ["--max-num-seqs", "8"]
 
 
@@ -179,6 +195,8 @@ def test_bad_settings_name_the_field(tmp_path):
         _cfg(model, extra_args="--x 'unclosed")
     with pytest.raises(ConfigError, match="vllm.chat_template"):
         _cfg(model, chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="vllm.block_size"):
+        _cfg(model, block_size=24)
     with pytest.raises(ConfigError, match="vllm.reader_spin_s"):
         _cfg(model, reader_spin_s=float("nan"))
     with pytest.raises(ConfigError, match="vllm.reader_recheck_s"):
