@@ -57,11 +57,13 @@ def _module(name: str, path: Path):
 
 def _ports_and_budget(exp, args):
     """The bench's settings over a side's experiment: its budget, validation cadence, context, the
-    trainer's ``zero_advantage`` if given, and ports picked free (nothing fixed, so two runs never collide)."""
-    zero = getattr(args, "zero_advantage", None)
+    trainer's ``zero_advantage`` and learning rate if given, and ports picked free (nothing fixed, so
+    two runs never collide)."""
+    zero, lr = getattr(args, "zero_advantage", None), getattr(args, "lightspan_lr", None)
     return dataclasses.replace(exp, cpu_budget_s=args.cpu_budget_s, val_every=args.eval_every,
                                max_model_len=max_model_len(args.model),
                                **({} if zero is None else {"zero_advantage": zero}),
+                               **({} if lr is None else {"learning_rate": lr}),
                                grpc_port=0, http_port=0, api_port=0, vllm_port=0)
 
 

@@ -189,3 +189,12 @@ def test_zero_advantage_reaches_lightspans_side_only_when_given(task, tmp_path):
     assert (given.zero_advantage, given.max_staleness) == ("count", 0)
     left_out = experiment(_args(work=str(tmp_path)), tmp_path)        # the namespace of an older caller: no attribute
     assert left_out.zero_advantage == "exclude"                     # the experiment's default
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_lightspan_lr_reaches_lightspans_side_only_when_given(task, tmp_path):
+    experiment = tasks.TASKS[task].experiment
+    default = experiment(_args(work=str(tmp_path)), tmp_path).learning_rate
+    given = experiment(_args(work=str(tmp_path), lightspan_lr=default / 2), tmp_path)
+    assert given.learning_rate == default / 2
+    assert experiment(_args(work=str(tmp_path), lightspan_lr=None), tmp_path).learning_rate == default
