@@ -218,8 +218,7 @@ def test_curl_through_the_gateway_stores_what_vllm_returned(stack, protocol, str
     url, data, ports, recorder = stack
     path, body, upstream = PROTOCOLS[protocol]
     rollout = f"curl-{protocol}-{stream}-{uuid.uuid4().hex[:6]}"
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     headers = [f"x-lightspan-agent: {AGENT}"]
     if protocol == "messages":
         headers += ["x-api-key: k", "anthropic-version: 2023-06-01"]
@@ -298,8 +297,7 @@ def test_the_openai_client_speaks_responses_through_the_gateway(stack):
 
 def test_a_request_the_conversion_cannot_reproduce_goes_to_vllms_messages_route(stack):
     url, data, ports, recorder = stack
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     status, _, answer = curl(f"{url}/rollouts/inline-system/v1/messages", {
         "model": "policy", "max_tokens": 4, "messages": [{"role": "system", "content": "inline"},
                                                          {"role": "user", "content": "hi"}]})
@@ -320,8 +318,7 @@ def test_a_responses_request_the_conversion_cannot_reproduce_goes_to_vllms_respo
     from tests.tracing.test_protocols import responses_returned
 
     url, data, ports, recorder = stack
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     rollout = f"responses-native-{stream}-{uuid.uuid4().hex[:6]}"
     status, ctype, answer = curl(f"{url}/rollouts/{rollout}/v1/responses", {
         "model": "policy", "input": "Say hi.", "max_output_tokens": 6, "stream": stream,

@@ -45,7 +45,16 @@ class _Recorder(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Relay)
         self.upstream = urlsplit(upstream)
         self.exchanges: list[tuple[str, dict, str, bytes]] = []  # path, request, content type, body
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
+        self.relaying = 0   # POSTs being relayed: each is kept only after its answer went out
+
+    def clear(self, timeout_s: float = 30.0) -> None:
+        """Forget every exchange, once the POSTs being relayed are kept: a test's last exchange is
+        appended after its client had the answer, so clearing sooner could leave it to the next test."""
+        with self.lock:
+            if not self.lock.wait_for(lambda: self.relaying == 0, timeout_s):
+                raise TimeoutError(f"{self.relaying} requests still being relayed after {timeout_s} s")
+            self.exchanges.clear()
 
     @property
     def url(self) -> str:
@@ -60,7 +69,18 @@ class _Relay(BaseHTTPRequestHandler):
 
     def _forward(self, method: str):
         server: _Recorder = self.server
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if method != "POST":
+            return self._relay(server, method, b"")
+        with server.lock:
+            server.relaying += 1
+        try:
+            self._relay(server, method, self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        finally:
+            with server.lock:
+                server.relaying -= 1
+                server.lock.notify_all()
+
+    def _relay(self, server: _Recorder, method: str, body: bytes):
         upstream = http.client.HTTPConnection(server.upstream.hostname, server.upstream.port, timeout=120)
         upstream.request(method, self.path, body or None, {"Content-Type": self.headers.get("Content-Type", "")})
         resp = upstream.getresponse()
@@ -154,8 +174,7 @@ def test_framework_agent_is_captured(name, script, module, calls, disabled, coll
                                  "temperature": 0.8}) + "\n")
     env = {**os.environ, "AGENT_MODEL": vllm_server.model_name, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": disabled,
            "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     run = subprocess.run(
         [sys.executable, "-m", "lightspan.cli", "rollout", "--tasks", str(tasks), "--samples", str(SAMPLES),
          "--concurrency", str(SAMPLES), "--timeout-s", "240", "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",

@@ -43,8 +43,7 @@ def venvs(tmp_path_factory):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_an_older_openai_is_captured(version, venvs, recorder, tmp_path):
     python = venvs(version)
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     env = {**os.environ, "OPENAI_BASE_URL": f"{recorder.url}/v1", "OPENAI_API_KEY": "x"}
     env.pop("LIGHTSPAN_CAPTURE_URLS", None)
     run = subprocess.run([str(python), str(ROOT / "tests/tracing/openai_version_calls.py")], env=env,

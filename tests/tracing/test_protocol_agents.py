@@ -80,8 +80,7 @@ def _rollout(name, script, collector, recorder, tmp_path, env=(), task=None):
     data, ports = collector
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps(task or {"id": f"{name}-task", "prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     run = subprocess.run(
         [sys.executable, "-m", "lightspan.cli", "rollout", "--tasks", str(tasks), "--samples", str(SAMPLES),
          "--concurrency", str(SAMPLES), "--timeout-s", "300", "--otlp-endpoint", f"http://127.0.0.1:{ports['http']}",

@@ -41,8 +41,7 @@ FORCED = {"structured_outputs": {"regex": re.escape(CALL_TEXT)}}
 @pytest.fixture()
 def captured(_traceloop, recorder):
     """(exporter, recorder) with traceloop's OpenAI instrumentation and lightspan's on one provider."""
-    with recorder.lock:
-        recorder.exchanges.clear()
+    recorder.clear()
     with _instrumented() as exporter:
         yield exporter, recorder
 
