@@ -67,6 +67,12 @@ def _ports_and_budget(exp, args):
                                grpc_port=0, http_port=0, api_port=0, vllm_port=0)
 
 
+def lightspan_tasks_per_step(args) -> int:
+    """lightspan's prompts per step: ``--lightspan-tasks-per-step`` if given, else both sides'
+    ``--tasks-per-step``. Its tasks stay TRL's in TRL's order (the same list, consumed faster)."""
+    return getattr(args, "lightspan_tasks_per_step", None) or args.tasks_per_step
+
+
 def max_model_len(model: str) -> int:
     """vLLM's context: 1024, or less for a model that has fewer positions (the tiny test model)."""
     if not model:
@@ -80,7 +86,7 @@ def max_model_len(model: str) -> int:
 def _addition_experiment(args, tasks_dir: Path):
     from lightspan import demo
 
-    cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=args.tasks_per_step,
+    cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args),
                           samples=args.samples, val_tasks=args.val_tasks, model=args.model,
                           data_dir=str(Path(args.work) / "lightspan"),
                           **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
@@ -130,7 +136,7 @@ def documented_gsm8k():
 
 def _gsm8k_experiment(args, tasks_dir: Path):
     exp = dataclasses.replace(
-        documented_gsm8k(), steps=args.max_steps, tasks_per_step=args.tasks_per_step, samples=args.samples,
+        documented_gsm8k(), steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args), samples=args.samples,
         val_limit=args.val_tasks, seed=args.seed, model=args.model, data_dir=str(Path(args.work) / "lightspan"),
         **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     return _ports_and_budget(exp, args)

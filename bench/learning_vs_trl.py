@@ -366,6 +366,9 @@ def main() -> None:
     parser.add_argument("--lightspan-lr", type=float, default=None,
                         help="lightspan's learning rate (default: the task's, the demo's 3e-4 for addition); "
                              "choose it on training reward (the output's train_reward), not held-out")
+    parser.add_argument("--lightspan-tasks-per-step", type=int, default=None,
+                        help="lightspan's prompts per step (default: --tasks-per-step); its tasks are TRL's, in "
+                             "TRL's order; choose it on training reward, not held-out")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
     parser.add_argument("--summarise", metavar="JSON", default="",
                         help="run nothing: print the summary of a saved --out file (old ones too)")

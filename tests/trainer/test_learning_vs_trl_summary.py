@@ -198,3 +198,18 @@ def test_lightspan_lr_reaches_lightspans_side_only_when_given(task, tmp_path):
     given = experiment(_args(work=str(tmp_path), lightspan_lr=default / 2), tmp_path)
     assert given.learning_rate == default / 2
     assert experiment(_args(work=str(tmp_path), lightspan_lr=None), tmp_path).learning_rate == default
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_lightspan_tasks_per_step_takes_trls_tasks_in_trls_order(task, tmp_path):
+    from lightspan.experiment import step_tasks
+    from lightspan.rollout.runner import load_tasks
+
+    args = _args(work=str(tmp_path), max_steps=12, tasks_per_step=2, lightspan_tasks_per_step=6)
+    exp = tasks.TASKS[task].experiment(args, tmp_path)
+    assert exp.tasks_per_step == 6 and exp.samples == args.samples      # TRL's side keeps --tasks-per-step
+    trl_train, _ = tasks.TASKS[task].tasks(args)
+    own = load_tasks(exp.train_tasks)
+    lightspan = [t for step in range(4) for t in step_tasks(own, step, exp.tasks_per_step, 0.7)]
+    assert [t["question"] for t in lightspan] == [t["question"] for t in trl_train[:24]]   # TRL's first 12 steps
+    assert tasks.TASKS[task].experiment(_args(work=str(tmp_path)), tmp_path).tasks_per_step == 4
