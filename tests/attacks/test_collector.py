@@ -8,6 +8,7 @@ repeated token-id key, a non-loopback bind without a token).
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import threading
@@ -169,7 +170,8 @@ def test_connections_past_the_cap_get_503_and_never_exhaust_descriptors(collecto
         try:      # past twice the cap: closed at once (a reset); past the cap: 503
             answer = raw_request(collector.http_port, b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                                       b"Content-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n")
-        except ConnectionResetError:
+        except OSError as err:   # the reset surfaces at send, at shutdown (not connected) or at recv
+            assert err.errno in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN), err
             answer = b""
         assert answer == b"" or status_of(answer) == 503
         assert collector.health()["connections"] <= 16
