@@ -7,7 +7,8 @@ Both sides get the same model (SmolLM2-135M-Instruct as ``lightspan model smollm
 ``--model``), the same task (the demo's two-digit additions in the demo agent's wording, "What is
 A + B? End your reply with 'Answer: <number>'.", scored by the demo agent's ``score``: 1 for the
 right last integer, 1.2 with the format), the same training tasks in the same order, the same
-held-out 48 additions answered greedily (``--max-tokens`` new tokens), the same prompts per step,
+held-out 48 additions answered greedily (``--max-tokens`` new tokens), the same prompts per step
+(unless ``--lightspan-tasks-per-step`` gives lightspan more: the same task list, consumed faster),
 group size and sampling temperature (0.7), and the same CPU budget.
 
 - **lightspan**: the demo's preset (``lightspan.demo.preset``: its agent run by ``lightspan rollout``,
