@@ -169,8 +169,11 @@ def trl_side(args) -> list[dict]:
                 evaluate(model, state.global_step)
 
     config, lora = trl_config(args, Path(args.work))
+    callbacks = [Budget()]
+    if args.trl_sampling_seed is not None:
+        callbacks.append(sampling_seed_callback(args.trl_sampling_seed + args.seed))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora, callbacks=[Budget()])
+                          processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
     trainer.train()
     if curve[-1]["step"] != trainer.state.global_step:     # max_steps reached before the budget
         evaluate(trainer.model, trainer.state.global_step)
@@ -180,6 +183,20 @@ def trl_side(args) -> list[dict]:
     train = [{"step": h["step"], "reward": round(h["reward"], 4)} for h in trainer.state.log_history if "reward" in h]
     return {"curve": curve, "train": train, "entropy": {"first": entropies[0] if entropies else None,
                                                         "last": entropies[-1] if entropies else None}}
+
+
+def sampling_seed_callback(seed: int):
+    """A ``TrainerCallback`` that reseeds torch's global generator, the one TRL's sampling draws from, as
+    training begins: after the seed's LoRA initialisation and first evaluation, with the seed's task order
+    untouched (TRL's sampler keeps its own generator). So one seed's TRL run can be drawn again."""
+    import torch
+    from transformers import TrainerCallback
+
+    class SamplingSeed(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kw):
+            torch.manual_seed(seed)
+
+    return SamplingSeed()
 
 
 def trl_config(args, work: Path):
@@ -370,6 +387,10 @@ def main() -> None:
     parser.add_argument("--lightspan-tasks-per-step", type=int, default=None,
                         help="lightspan's prompts per step (default: --tasks-per-step); its tasks are TRL's, in "
                              "TRL's order; choose it on training reward, not held-out")
+    parser.add_argument("--trl-sampling-seed", type=int, default=None,
+                        help="reseed TRL's sampling with this plus the seed as training begins (default: none, "
+                             "the seed's own draw); the seed's task order and LoRA initialisation stay: "
+                             "another draw of TRL's run for the same seed, to measure its spread")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
     parser.add_argument("--summarise", metavar="JSON", default="",
                         help="run nothing: print the summary of a saved --out file (old ones too)")
