@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -149,7 +150,6 @@ def main() -> None:
     parser.add_argument("--vllm-port", type=int, default=8731)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runs: dict = {}
     checks: dict = {}
