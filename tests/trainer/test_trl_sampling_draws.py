@@ -20,8 +20,8 @@ lvt = _load("learning_vs_trl")
 tvs = _load("trl_vllm_sampling")
 
 
-def _draw_after_train_begin(seed: int) -> torch.Tensor:
-    torch.manual_seed(12345)               # whatever state the seed's set-up left behind
+def _draw_after_train_begin(seed: int, before: int = 12345) -> torch.Tensor:
+    torch.manual_seed(before)              # whatever state the seed's set-up left behind
     torch.rand(7)
     lvt.sampling_seed_callback(seed).on_train_begin(None, None, None)
     return torch.multinomial(torch.full((50,), 0.02), 16, replacement=True)
@@ -29,9 +29,7 @@ def _draw_after_train_begin(seed: int) -> torch.Tensor:
 
 def test_training_begins_from_the_sampling_seed_whatever_came_before():
     first = _draw_after_train_begin(1000)
-    torch.manual_seed(777)
-    torch.rand(3)
-    again = _draw_after_train_begin(1000)
+    again = _draw_after_train_begin(1000, before=777)
     torch.manual_seed(1000)
     fresh = torch.multinomial(torch.full((50,), 0.02), 16, replacement=True)
     assert torch.equal(first, again) and torch.equal(first, fresh)
