@@ -1,7 +1,7 @@
 """Benchmark: held-out learning per CPU-minute, lightspan's loop against TRL's ``GRPOTrainer``, in one run.
 
     .venv/bin/python bench/learning_vs_trl.py [--task addition|gsm8k] [--seeds 0,1,2] [--cpu-budget-s 1800]
-    .venv/bin/python bench/learning_vs_trl.py --summarise bench/learning_vs_trl.json   # a saved run's summary
+    .venv/bin/python bench/learning_vs_trl.py --summarise bench/learning_vs_trl.json [more.json ...]   # saved runs' summary
 
 Both sides get the same model (SmolLM2-135M-Instruct as ``lightspan model smollm2`` makes it, or
 ``--model``), the same task (the demo's two-digit additions in the demo agent's wording, "What is
@@ -58,22 +58,23 @@ import importlib.util
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# bench/learning_tasks.py, the table of tasks (each side's settings, prompt and reward), loaded from beside
-# this file: bench/ is not put on sys.path, where its examples.py would shadow the examples/ folder
-if "learning_tasks" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("learning_tasks", Path(__file__).resolve().parent / "learning_tasks.py")
-    sys.modules["learning_tasks"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["learning_tasks"])
+# bench/learning_tasks.py (the table of tasks: each side's settings, prompt and reward) and
+# bench/learning_summary.py (the reading of a run), loaded from beside this file: bench/ is not put on
+# sys.path, where its examples.py would shadow the examples/ folder
+for _name in ("learning_tasks", "learning_summary"):
+    if _name not in sys.modules:
+        _spec = importlib.util.spec_from_file_location(_name, Path(__file__).resolve().parent / f"{_name}.py")
+        sys.modules[_name] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules[_name])
 TASKS = sys.modules["learning_tasks"].TASKS
-
-SIDES = ("lightspan", "trl")
+from learning_summary import (ENTROPY_FLOOR, SIDES, best_evaluation, best_gain_per_cpu_minute,  # noqa: E402,F401
+                              entropy_flag, gain_per_cpu_minute, report, summarise)
 
 
 # --- lightspan ------------------------------------------------------------------------------------
@@ -247,119 +248,25 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
 
 # --- the comparison -------------------------------------------------------------------------------
 
-ENTROPY_FLOOR = 0.2
-"""nats per token: a run whose policy ends below this has collapsed (the issue's bound; the demo's
-entropy_floor, lightspan/demo.py)."""
-
-
-def entropy_flag(entropy: float | None, floor: float = ENTROPY_FLOOR) -> str | None:
-    """The flag of a run whose final policy entropy (nats per token) fell below ``floor``: the warning
-    the demo's trainer logs for such a step (trainer/metrics.py's ``entropy_warning``); a run that
-    recorded no entropy is flagged too, never passed silently. None: the run kept its entropy."""
-    from lightspan.trainer.metrics import entropy_warning
-
-    if entropy is None:
-        return "no policy entropy recorded: collapse cannot be ruled out"
-    warning = entropy_warning(entropy, floor)
-    return None if warning is None else f"ENTROPY COLLAPSE: {warning}"
-
-
-def gain_per_cpu_minute(curve: list[dict]) -> float:
-    first, last = curve[0], curve[-1]
-    return (last["solved"] - first["solved"]) / max(last["cpu_s"] / 60.0, 1e-9)
-
-
-def best_evaluation(curve: list[dict]) -> dict:
-    """The curve's best evaluation: the most held-out tasks solved, the first evaluation that reached it."""
-    best = max(curve, key=lambda p: p["solved"])           # max keeps the first of equals
-    return {"step": best["step"], "solved": best["solved"], "of": best.get("of"), "cpu_s": best["cpu_s"]}
-
-
-def best_gain_per_cpu_minute(curve: list[dict]) -> float:
-    """(best - first evaluation's solved count) / the CPU-minutes at which the best was reached; 0 when
-    the first evaluation is the best."""
-    best = best_evaluation(curve)
-    return (best["solved"] - curve[0]["solved"]) / max(best["cpu_s"] / 60.0, 1e-9)
-
-
-def _ratio(lightspan: float, trl: float) -> float | None:
-    return lightspan / trl if trl > 0 else None
-
-
-def summarise(runs: dict) -> dict:
-    """Per side: gains per CPU-minute over the seeds, on the last evaluation and on the best; the ratio
-    of the means, lightspan / TRL, on each (absent when TRL's mean gain is not positive); per seed run by
-    both sides, the two ratios (None where TRL gained nothing on that seed). Seeds as strings (JSON's)."""
-    out: dict = {}
-    for side in SIDES:
-        curves = {str(seed): c for seed, c in runs.get(side, {}).items() if c}
-        if curves:
-            rates = [gain_per_cpu_minute(c) for c in curves.values()]
-            best = [best_gain_per_cpu_minute(c) for c in curves.values()]
-            out[side] = {"gain_per_cpu_min": rates, "mean": statistics.mean(rates), "range": [min(rates), max(rates)],
-                         "seeds": list(curves), "best_gain_per_cpu_min": best, "best_mean": statistics.mean(best),
-                         "best_range": [min(best), max(best)],
-                         "best_evaluation": [best_evaluation(c) for c in curves.values()]}
-    if "lightspan" in out and "trl" in out:
-        ls, trl = out["lightspan"], out["trl"]
-        if trl["mean"] > 0:
-            out["ratio"] = ls["mean"] / trl["mean"]
-        if trl["best_mean"] > 0:
-            out["best_ratio"] = ls["best_mean"] / trl["best_mean"]
-        per_seed = {}
-        for seed in (s for s in ls["seeds"] if s in trl["seeds"]):
-            i, j = ls["seeds"].index(seed), trl["seeds"].index(seed)
-            per_seed[seed] = {"ratio": _ratio(ls["gain_per_cpu_min"][i], trl["gain_per_cpu_min"][j]),
-                              "best_ratio": _ratio(ls["best_gain_per_cpu_min"][i], trl["best_gain_per_cpu_min"][j])}
-        out["per_seed"] = per_seed
-        out["every_seed_at_least_1x"] = {
-            key: bool(per_seed) and all(r[name] is not None and r[name] >= 1.0 for r in per_seed.values())
-            for key, name in (("last", "ratio"), ("best", "best_ratio"))}
-    return out
-
-
-def report(summary: dict, noun: str = "additions", load: list[float] | None = None) -> list[str]:
-    """The summary's printed lines: the last evaluation's (as before), then the best evaluation's, then
-    each seed's ratios."""
-    lines = []
-    for side in SIDES:
-        if side in summary:
-            s = summary[side]
-            lines.append(f"{side:>9}: held-out gain {s['mean']:+.2f} {noun} per CPU-minute "
-                         f"(seeds: {', '.join(f'{r:+.2f}' for r in s['gain_per_cpu_min'])})")
-    where = f"   (load {load[0]:.1f} -> {load[1]:.1f})" if load and len(load) == 2 else ""
-    if "ratio" in summary:
-        lines.append(f"ratio lightspan / TRL: {summary['ratio']:.2f}x{where}")
-    else:
-        lines.append("ratio: n/a (TRL gained nothing, or a side was not run)")
-    for side in SIDES:
-        if side in summary and "best_mean" in summary[side]:
-            s = summary[side]
-            seeds = ", ".join(f"{r:+.2f} ({b['solved']}/{b['of']} @ {b['cpu_s'] / 60:.1f})"
-                              for r, b in zip(s["best_gain_per_cpu_min"], s["best_evaluation"]))
-            lines.append(f"{side:>9}: best held-out gain {s['best_mean']:+.2f} {noun} per CPU-minute "
-                         f"(seeds: {seeds}: best solved @ CPU-min)")
-    if "best_ratio" in summary:
-        lines.append(f"ratio lightspan / TRL on the best evaluation: {summary['best_ratio']:.2f}x")
-    elif "lightspan" in summary and "trl" in summary:
-        lines.append("ratio on the best evaluation: n/a (TRL gained nothing)")
-    def show(r):
-        return "n/a" if r is None else f"{r:.2f}x"
-    for seed, r in summary.get("per_seed", {}).items():
-        lines.append(f"seed {seed}: lightspan / TRL {show(r['ratio'])} on the last evaluation, "
-                     f"{show(r['best_ratio'])} on the best")
-    if "every_seed_at_least_1x" in summary:
-        every = summary["every_seed_at_least_1x"]
-        lines.append(f"every seed at least 1.0x: last evaluation {'yes' if every['last'] else 'no'}, "
-                     f"best evaluation {'yes' if every['best'] else 'no'}")
-    return lines
-
-
-def summarise_file(path: str) -> list[str]:
-    """The printed summary of a saved ``--out`` JSON, old files (no best-evaluation keys, no task) too."""
-    saved = json.loads(Path(path).read_text())
-    noun = TASKS[saved.get("task", "addition")].noun
-    return report(summarise(saved["runs"]), noun, saved.get("load_1m"))
+def summarise_file(*paths: str) -> list[str]:
+    """The printed summary of saved ``--out`` JSONs, old files (no best-evaluation keys, no task) too.
+    Several files are read as one run: their seeds together (runs of one task, each seed of a side in one
+    file only; the load is shown for a single file only)."""
+    saved = [json.loads(Path(path).read_text()) for path in paths]
+    tasks = {s.get("task", "addition") for s in saved}
+    if len(tasks) > 1:
+        raise SystemExit(f"--summarise: the files hold different tasks ({', '.join(sorted(tasks))}); "
+                         "summarise each task's files on their own")
+    runs: dict = {}
+    for path, s in zip(paths, saved):
+        for side, seeds in s["runs"].items():
+            for seed, curve in seeds.items():
+                if str(seed) in runs.setdefault(side, {}):
+                    raise SystemExit(f"--summarise: seed {seed} of {side} is in more than one file ({path}); "
+                                     "give each seed once")
+                runs[side][str(seed)] = curve
+    load = saved[0].get("load_1m") if len(saved) == 1 else None
+    return report(summarise(runs), TASKS[tasks.pop()].noun, load)
 
 
 def main() -> None:
@@ -384,6 +291,12 @@ def main() -> None:
     parser.add_argument("--lightspan-lr", type=float, default=None,
                         help="lightspan's learning rate (default: the task's, the demo's 3e-4 for addition); "
                              "choose it on training reward (the output's train_reward), not held-out")
+    parser.add_argument("--lightspan-lr-schedule", choices=("constant", "linear", "cosine"), default=None,
+                        help="lightspan's learning-rate schedule (default: the experiment's, constant), decaying to a "
+                             "tenth over --lightspan-lr-decay-steps; choose it on training reward, not held-out")
+    parser.add_argument("--lightspan-lr-decay-steps", type=int, default=0,
+                        help="steps the schedule decays over (0: --max-steps); a CPU budget ends a run first, so "
+                             "give the steps the budget allows")
     parser.add_argument("--lightspan-tasks-per-step", type=int, default=None,
                         help="lightspan's prompts per step (default: --tasks-per-step); its tasks are TRL's, in "
                              "TRL's order; choose it on training reward, not held-out")
@@ -392,14 +305,15 @@ def main() -> None:
                              "the seed's own draw); the seed's task order and LoRA initialisation stay: "
                              "another draw of TRL's run for the same seed, to measure its spread")
     parser.add_argument("--out", default="", help="write every curve and the summary here (JSON)")
-    parser.add_argument("--summarise", metavar="JSON", default="",
-                        help="run nothing: print the summary of a saved --out file (old ones too)")
+    parser.add_argument("--summarise", metavar="JSON", nargs="+", default=[],
+                        help="run nothing: print the summary of saved --out files (old ones too); several "
+                             "files: their seeds read as one run")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.summarise:
-        print("\n".join(summarise_file(args.summarise)))
+        print("\n".join(summarise_file(*args.summarise)))
         return
     if args.max_tokens != 24:
         parser.error("the agents ask for 24 new tokens a call: --max-tokens must be 24 for both sides to match")

@@ -213,3 +213,29 @@ def test_lightspan_tasks_per_step_takes_trls_tasks_in_trls_order(task, tmp_path)
     lightspan = [t for step in range(4) for t in step_tasks(own, step, exp.tasks_per_step, 0.7)]
     assert [t["question"] for t in lightspan] == [t["question"] for t in trl_train[:24]]   # TRL's first 12 steps
     assert tasks.TASKS[task].experiment(_args(work=str(tmp_path)), tmp_path).tasks_per_step == 4
+
+
+def _saved(tmp_path, name, runs, task="addition"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"task": task, "runs": runs, "load_1m": [1.0, 2.0]}))
+    return str(path)
+
+
+def test_several_files_are_summarised_as_one_run_of_their_seeds(tmp_path):
+    # seed 0 from one file, seed 1 from another (a fifth seed run later, say): the same summary as one run
+    first = _saved(tmp_path, "a.json", {side: {"0": RUNS[side][0]} for side in RUNS})
+    second = _saved(tmp_path, "b.json", {side: {"1": RUNS[side][1]} for side in RUNS})
+    lines = lvt.summarise_file(first, second)
+    assert lines == lvt.report(lvt.summarise(json.loads(json.dumps(RUNS))), "additions")
+    assert "seed 1: lightspan / TRL -0.17x on the last evaluation, 0.00x on the best" in lines
+    assert "(load" not in lines[2]                # a load of one file is not the merged run's
+
+
+def test_a_seed_in_two_files_or_two_tasks_are_refused(tmp_path):
+    first = _saved(tmp_path, "a.json", {side: {"0": RUNS[side][0]} for side in RUNS})
+    again = _saved(tmp_path, "b.json", {"trl": {"0": RUNS["trl"][1]}})
+    with pytest.raises(SystemExit, match="seed 0 of trl is in more than one file"):
+        lvt.summarise_file(first, again)
+    other = _saved(tmp_path, "c.json", {side: {"1": RUNS[side][1]} for side in RUNS}, task="gsm8k")
+    with pytest.raises(SystemExit, match="different tasks"):
+        lvt.summarise_file(first, other)
