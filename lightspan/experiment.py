@@ -93,6 +93,10 @@ class ExperimentConfig:
     concurrency: int = option(16, "Rollouts at once. vLLM on CPU batches concurrent requests: 32 short chat calls "
                                   "cost it a third of the CPU time at 32 at once that they cost at 4 at once.")
     learning_rate: float = option(2e-5, "Trainer learning rate (AdamW; of the adapter with lora_r).")
+    lr_schedule: str = option("constant", "The trainer's learning rate against the policy version (lightspan train "
+                              "--lr-schedule): 'constant', or 'linear' or 'cosine' to a tenth over lr_decay_steps.",
+                              choices=("constant", "linear", "cosine"))
+    lr_decay_steps: int = option(0, "Steps lr_schedule decays over; 0: the run's steps.")
     loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
     loss_normalisation: str = option("transition", "What the loss's 'sequence' is: 'transition' or 'rollout' "
                                      "(a rollout split into k rows weighs as one; lightspan train --help).",
@@ -389,6 +393,7 @@ def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_di
     trainer = spawn("trainer", lightspan(
         "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
         "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
+        "--lr-schedule", cfg.lr_schedule, "--lr-decay-steps", str(cfg.lr_decay_steps or cfg.steps),
         "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
         "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
         "--zero-advantage", cfg.zero_advantage,

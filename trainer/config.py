@@ -21,6 +21,7 @@ IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence
 SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
 ALGOS = ("grpo", "sft")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 NORMALISATIONS = ("transition", "rollout")     # trainer/loss.py's, deviation 9
 ZERO_ADVANTAGE = ("exclude", "count")        # zero-advantage sequences in the normaliser: trainer/loss.py, deviation 4
 
@@ -110,7 +111,14 @@ class TrainerConfig:
     num_iterations: int = option(1, "Optimisation passes over each batch (mu in the GRPO paper). With 1 the "
                                  "update is on-policy w.r.t. the trainer's weights and the ratio is 1.")
     # optimisation
-    learning_rate: float = option(1e-5, "AdamW learning rate (constant).")
+    learning_rate: float = option(1e-5, "AdamW learning rate: at version 0, and throughout with lr_schedule 'constant'.")
+    lr_schedule: str = option("constant", "The learning rate against the policy version (TRL's lr_scheduler_type, counted "
+                              "in versions, so a resumed run continues it): 'constant'; 'linear' or 'cosine' from "
+                              "learning_rate at version 0 to learning_rate x lr_final_ratio at version lr_decay_steps, "
+                              "then held there.", choices=LR_SCHEDULES)
+    lr_decay_steps: int = option(0, "Versions over which lr_schedule 'linear' or 'cosine' decays (e.g. max_steps).")
+    lr_final_ratio: float = option(0.1, "The decayed learning rate as a fraction of learning_rate (0: decays to 0, "
+                                   "as TRL's schedules do at max_steps).")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     max_grad_norm: float = option(1.0, "Clip the gradient's global norm to this; 0 disables clipping.")
     micro_batch_size: int = option(8, "Transitions per forward/backward pass, at most; gradients accumulate "
@@ -205,6 +213,12 @@ class TrainerConfig:
                      "pass e.g. --every 30m (units ms, s, m, h, d)")
         if not self.learning_rate > 0:
             fail("learning_rate", f"must be > 0, got {self.learning_rate}", "pass e.g. --learning-rate 1e-5")
+        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
+            fail("lr_decay_steps", f"lr_schedule {self.lr_schedule!r} decays over lr_decay_steps versions, got "
+                 f"{self.lr_decay_steps}", "pass e.g. --lr-decay-steps 30 (the steps the run will take), or "
+                 "--lr-schedule constant")
+        if not 0 <= self.lr_final_ratio <= 1:
+            fail("lr_final_ratio", f"must be in [0, 1], got {self.lr_final_ratio}", "pass e.g. --lr-final-ratio 0.1")
         for name in ("epsilon", "epsilon_high", "weight_decay", "max_grad_norm", "beta", "entropy_floor"):
             if getattr(self, name) < 0:
                 fail(name, f"must be >= 0, got {getattr(self, name)}", f"pass a non-negative {name}")

@@ -66,7 +66,7 @@ from lightspan.trainer.loss import token_logprobs
 from lightspan.trainer.metrics import TrainerMetrics, entropy_warning
 from lightspan.trainer.nccl import NcclSync
 from lightspan.trainer.replicas import ReplicaSync
-from lightspan.trainer.step import optimise
+from lightspan.trainer.step import learning_rate_at, optimise
 from lightspan.trainer.sync import LoraSync, NoSync, ReloadSync, SyncError, WeightSync
 
 log = logging.getLogger(__name__)
@@ -274,6 +274,9 @@ class Trainer:
     def step(self, batch: Batch) -> dict:
         """One optimizer step per pass over ``batch`` (num_iterations passes, trainer/step.py); version + 1."""
         self._activate()
+        lr = learning_rate_at(self.config, self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         metrics = optimise(self.accelerator, self.model, self.optimizer, batch, self.config,
                            ref_model=self.ref_model, pad_id=self._pad_id())
         self.version += 1

@@ -18,6 +18,7 @@ or the budget trainer/memory.py derives from ``max_memory_gb`` and the model's s
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -28,6 +29,17 @@ from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import reference
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
 from lightspan.trainer.memory import step_budget
+
+
+def learning_rate_at(config: TrainerConfig, version: int) -> float:
+    """The learning rate of the step that makes version + 1 (``lr_schedule``): ``learning_rate`` at version 0,
+    decayed linearly or on a half cosine to ``learning_rate * lr_final_ratio`` at ``lr_decay_steps``, held after."""
+    lr = config.learning_rate
+    if config.lr_schedule == "constant":
+        return lr
+    done = min(version / config.lr_decay_steps, 1.0)
+    left = 1.0 - done if config.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return lr * (config.lr_final_ratio + (1.0 - config.lr_final_ratio) * left)
 
 
 def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig, *, ref_model=None,

@@ -233,3 +233,22 @@ def test_rows_with_missing_or_non_finite_logprobs_are_malformed_and_never_reach_
     assert row["skipped_malformed"] == 3 and row["num_transitions"] == 8
     assert all(math.isfinite(row[k]) for k in ("loss", "is_ratio_mean", "grad_norm"))
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_the_trainer_steps_at_the_scheduled_rate(tmp_path, tiny_model):
+    # decayed to 0 after one version: the first step moves the weights, the second cannot
+    c = make_config(tmp_path, tiny_model, learning_rate=1e-2, lr_schedule="linear", lr_decay_steps=1,
+                    lr_final_ratio=0.0, batch_size=8, micro_batch_size=8, max_staleness=4)
+    write(c.data_dir, good_and_bad(created=1, prefix="a"))
+    trainer = Trainer(c)
+    trainer.load_or_init()
+    weights = lambda: [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]  # noqa: E731
+    start = weights()
+    trainer.train_once()
+    first = weights()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(start, first))
+    write(c.data_dir, good_and_bad(created=2, prefix="b"))
+    trainer.train_once()
+    assert trainer.version == 2 and trainer.optimizer.param_groups[0]["lr"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(first, weights()))
