@@ -199,7 +199,7 @@ class TrainerConfig:
 
         for name, choices in (("loss_type", LOSS_TYPES), ("is_correction", IS_CORRECTIONS),
                               ("sync", SYNCS), ("mode", MODES), ("algo", ALGOS), ("loss_normalisation", NORMALISATIONS),
-                              ("zero_advantage", ZERO_ADVANTAGE)):
+                              ("zero_advantage", ZERO_ADVANTAGE), ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in choices:
                 fail(name, f"{getattr(self, name)!r} is not allowed", f"use one of: {', '.join(choices)}")
         if not self.model:
