@@ -55,7 +55,7 @@ from lightspan.core.config import ConfigError, option, resolve
 from lightspan.experiment_report import plot, report
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, Runner, load_tasks
-from lightspan.trainer.config import NORMALISATIONS, ZERO_ADVANTAGE
+from lightspan.trainer.config import LR_SCHEDULES, NORMALISATIONS, ZERO_ADVANTAGE
 from lightspan.runs import (
     CpuClock,
     Stages,
@@ -95,7 +95,7 @@ class ExperimentConfig:
     learning_rate: float = option(2e-5, "Trainer learning rate (AdamW; of the adapter with lora_r).")
     lr_schedule: str = option("constant", "The trainer's learning rate against the policy version (lightspan train "
                               "--lr-schedule): 'constant', or 'linear' or 'cosine' to a tenth over lr_decay_steps.",
-                              choices=("constant", "linear", "cosine"))
+                              choices=LR_SCHEDULES)
     lr_decay_steps: int = option(0, "Steps lr_schedule decays over; 0: the run's steps.")
     loss_type: str = option("grpo", "Trainer loss aggregation (see lightspan train --help).")
     loss_normalisation: str = option("transition", "What the loss's 'sequence' is: 'transition' or 'rollout' "
