@@ -206,6 +206,8 @@ def trl_config(args, work: Path):
     from peft import LoraConfig
     from trl import GRPOConfig
 
+    from lightspan.trainer.lora import target_modules
+
     completions = args.tasks_per_step * args.samples
     micro = next(m for m in (8, 4, 2, 1) if completions % m == 0)
     config = GRPOConfig(
@@ -217,7 +219,7 @@ def trl_config(args, work: Path):
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=False)   # TRL's default recomputes activations: memory is no concern here
     lora = LoraConfig(r=args.trl_lora_r, lora_alpha=2 * args.trl_lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if args.trl_lora_r else None
+                      target_modules=target_modules(args.lora_targets)) if args.trl_lora_r else None
     return config, lora
 
 
@@ -233,7 +235,7 @@ def lightspan_trainer_config(args, model_dir: str, work: Path):
     return TrainerConfig(model=model_dir, data_dir=str(work / "lightspan-trainer"), seed=exp.seed,
                          learning_rate=exp.learning_rate, loss_type=exp.loss_type, beta=exp.beta,
                          max_staleness=exp.max_staleness, batch_size=0, lora_r=exp.lora_r,
-                         lora_alpha=exp.lora_alpha, sync="none")
+                         lora_alpha=exp.lora_alpha, lora_target_modules=args.lora_targets, sync="none")
 
 
 def add_shared_options(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +246,9 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-type", default="grpo")
     parser.add_argument("--trl-lr", type=float, default=3e-4)
     parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                        help="both sides' LoRA target modules (lightspan train --lora-target-modules; "
+                             "'all-linear': every linear layer but the head)")
 
 
 # --- the comparison -------------------------------------------------------------------------------

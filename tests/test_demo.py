@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -101,3 +102,26 @@ def test_the_demo_takes_the_experiments_options_with_its_own_defaults():
         assert f"{flag} {f.metadata['help']} (default: {f.default!r};" in text, flag
     with pytest.raises(ConfigError, match="demo.val_tasks"):
         demo.DemoConfig(val_tasks=0)
+
+
+def test_the_trainer_is_started_with_the_experiments_trainer_settings(tmp_path):
+    """trainer_args, parsed as ``lightspan train`` parses its command line, gives a trainer config that
+    holds every trainer setting of the experiment."""
+    from lightspan.core.config import add_arguments, cli_values, resolve
+    from lightspan.experiment import trainer_args
+    from lightspan.trainer.config import TrainerConfig
+
+    exp = dataclasses.replace(
+        demo.preset(demo.DemoConfig(steps=7, lora_r=8, seed=3), tmp_path), lora_target_modules="all-linear",
+        lr_schedule="cosine", beta=0.02, zero_advantage="count", max_staleness=0, learning_rate=1e-4,
+        loss_normalisation="rollout", entropy_floor=0.3, trainer_threads=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainerConfig, "trainer")
+    argv = trainer_args(exp, tmp_path / "data", tmp_path / "model", "http://127.0.0.1:9", 0)
+    t = resolve(TrainerConfig, section="trainer", environ={}, cli=cli_values(parser.parse_args(argv), TrainerConfig))
+    assert (t.lora_r, t.lora_alpha, t.lora_target_modules, t.sync) == (8, exp.lora_alpha, "all-linear", "reload")
+    assert (t.lr_schedule, t.lr_decay_steps, t.learning_rate, t.beta, t.seed) == ("cosine", 7, 1e-4, 0.02, 3)
+    assert (t.zero_advantage, t.max_staleness, t.loss_normalisation, t.loss_type) == ("count", 0, "rollout", exp.loss_type)
+    assert (t.entropy_floor, t.torch_threads, t.mode, t.batch_size) == (0.3, 1, "continuous", 0)
+    adapter = trainer_args(dataclasses.replace(exp, lora_serving="adapter", max_staleness=1), tmp_path, tmp_path, "", 0)
+    assert adapter[adapter.index("--sync") + 1] == "lora" and adapter[adapter.index("--verify-sync") + 1] == "false"

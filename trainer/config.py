@@ -22,6 +22,7 @@ SYNCS = ("reload", "lora", "nccl", "none")
 MODES = ("once", "continuous", "every")
 ALGOS = ("grpo", "sft")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"  # the attention projections
 NORMALISATIONS = ("transition", "rollout")     # trainer/loss.py's, deviation 9
 ZERO_ADVANTAGE = ("exclude", "count")        # zero-advantage sequences in the normaliser: trainer/loss.py, deviation 4
 
@@ -68,7 +69,7 @@ class TrainerConfig:
                          "be started with --max-lora-rank >= lora_r (one of 1, 8, 16, 32, 64, ...).")
     lora_alpha: float = option(32.0, "LoRA scaling numerator: the update is (alpha / r) B A.")
     lora_dropout: float = option(0.0, "Dropout on the LoRA branch's input during training.")
-    lora_target_modules: str = option("q_proj,k_proj,v_proj,o_proj", "Comma-separated module names that get "
+    lora_target_modules: str = option(LORA_TARGETS, "Comma-separated module names that get "
                                       "adapters (peft target_modules); 'all-linear' for every linear layer "
                                       "but the head.")
     # the objective

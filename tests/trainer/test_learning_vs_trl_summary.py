@@ -239,3 +239,19 @@ def test_a_seed_in_two_files_or_two_tasks_are_refused(tmp_path):
     other = _saved(tmp_path, "c.json", {side: {"1": RUNS[side][1]} for side in RUNS}, task="gsm8k")
     with pytest.raises(SystemExit, match="different tasks"):
         lvt.summarise_file(first, other)
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_lora_targets_reach_both_sides(task, tmp_path):
+    parser = argparse.ArgumentParser()
+    lvt.add_shared_options(parser)
+    default = parser.parse_args([])
+    experiment = tasks.TASKS[task].experiment
+    assert experiment(_args(work=str(tmp_path), **vars(default)), tmp_path).lora_target_modules == default.lora_targets
+    mlp = parser.parse_args(["--lora-targets", "q_proj,v_proj,gate_proj,up_proj,down_proj"])
+    args = _args(work=str(tmp_path), **vars(mlp))
+    lightspan = experiment(args, tmp_path)
+    _, lora = lvt.trl_config(args, tmp_path)
+    assert lightspan.lora_target_modules == "q_proj,v_proj,gate_proj,up_proj,down_proj"
+    assert set(lora.target_modules) == {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
+    assert lvt.lightspan_trainer_config(args, "", tmp_path).lora_target_modules == lightspan.lora_target_modules
