@@ -254,4 +254,4 @@ def test_lora_targets_reach_both_sides(task, tmp_path):
     _, lora = lvt.trl_config(args, tmp_path)
     assert lightspan.lora_target_modules == "q_proj,v_proj,gate_proj,up_proj,down_proj"
     assert set(lora.target_modules) == {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
-    assert lvt.lightspan_trainer_config(args, "", tmp_path).lora_target_modules == lightspan.lora_target_modules
+    assert lvt.lightspan_trainer_config(args, str(tmp_path), tmp_path).lora_target_modules == lightspan.lora_target_modules
