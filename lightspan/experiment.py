@@ -57,8 +57,8 @@ from lightspan.models import DEFAULT_SMOLLM2_DIR
 from lightspan.rollout.runner import RolloutConfig, Runner, load_tasks
 from lightspan.trainer.config import LORA_TARGETS, LR_SCHEDULES, NORMALISATIONS, ZERO_ADVANTAGE
 from lightspan.runs import (
-    CpuClock, Stages, TrainerQueue, fresh_data_dir, lightspan, query_one, spawner, trainer_stats, wait_published,
-    write_jsonl)
+    CpuClock, Stages, TrainerQueue, free_ports, fresh_data_dir, lightspan, query_one, spawner, trainer_stats,
+    wait_published, write_jsonl)
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +220,6 @@ def step_tasks(train: list[dict], step: int, per_step: int, temperature: float) 
     return out
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rewards(data: Path, split: str, task_ids: list[str], version: int, solved_at: float, since_ns: int) -> dict:
     """Mean reward and solved share of the rollouts of ``task_ids`` started at or after ``since_ns``
     (a validation repeated with an unchanged policy must not count the earlier one's rollouts)."""
@@ -272,7 +265,8 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
         stages.time("prepare model", prepare_smollm2, model_dir)
     agent = agent_command(cfg.agent)
     val_file = write_jsonl(data / "val_tasks.jsonl", [{**t, "temperature": 0.0} for t in val])
-    ports = {k: getattr(cfg, f"{k}_port", 0) or _free_port() for k in ("grpc", "http", "api", "vllm", "metrics")}
+    picked = iter(free_ports(5))
+    ports = {k: getattr(cfg, f"{k}_port", 0) or next(picked) for k in ("grpc", "http", "api", "vllm", "metrics")}
     log.info("trainer metrics: http://127.0.0.1:%d/metrics", ports["metrics"])
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data)}
     if cfg.disabled_instrumentations:

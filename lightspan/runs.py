@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -264,3 +265,13 @@ def trainer_stats(data: Path) -> dict:
         FROM train_steps""")
     return {"steps": row[0], "step_seconds": row[1] or 0.0, "sync_seconds": row[2] or 0.0,
             "max_logprob_diff": row[3], "entropy_first": row[4], "entropy_last": row[5]}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports. Each socket stays bound until all are picked: a socket
+    bound to port 0 and closed can hand the next one the same port."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]

@@ -31,7 +31,9 @@ def collector_process(data: Path, log_path: Path):
     from lightspan import inference
     from lightspan.runs import wait_http
 
-    ports = {"grpc": free_port(), "http": free_port(), "api": free_port()}
+    from lightspan.runs import free_ports
+
+    ports = dict(zip(("grpc", "http", "api"), free_ports(3)))
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", str(data),
                                  "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),

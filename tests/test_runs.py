@@ -1,13 +1,14 @@
 """A demo or experiment wipes only a data directory that an earlier demo or experiment made; its CPU
 clock counts each service it started apart from the rest."""
 
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from lightspan.core.config import ConfigError
-from lightspan.runs import RUN_MARKER, CpuClock, fresh_data_dir, tree_cpu_seconds
+from lightspan.runs import RUN_MARKER, CpuClock, free_ports, fresh_data_dir, tree_cpu_seconds
 
 
 def test_a_new_directory_is_made_and_marked_then_wiped_by_the_next_run(tmp_path):
@@ -54,3 +55,13 @@ def test_the_cpu_clock_counts_a_service_and_its_child_apart_from_the_rest():
     # a service that has exited is counted in the rest (its parent reaped it)
     after = clock.parts()
     assert set(after) == {"rest"} and after["rest"] >= 0.7
+
+
+def test_free_ports_are_distinct_and_bindable():
+    """Ports picked together never repeat (a socket bound to port 0 and closed may hand the next
+    one the same port: three services once got [58441, 57207, 57207])."""
+    for _ in range(50):
+        ports = free_ports(5)
+        assert len(set(ports)) == 5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
