@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -45,12 +44,6 @@ from lightspan import inference, store
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "sql_agent" / "data"
 log = logging.getLogger("two_policies")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lightspan(*args: str, env=None) -> dict:
@@ -143,9 +136,12 @@ def main() -> int:
     train_tasks = [json.loads(line) for line in Path(args.train_tasks).read_text().splitlines() if line.strip()]
     val_tasks = [json.loads(line) for line in Path(args.val_tasks).read_text().splitlines() if line.strip()]
     val_file = write_jsonl(data / "val.jsonl", [{**t, "temperature": 0.0} for t in val_tasks[:args.val_limit]])
-    ports = {k: free_port() for k in ("grpc", "http", "api")}
+    from lightspan.runs import free_ports
+
+    *picked, vllm_port = free_ports(4)
+    ports = dict(zip(("grpc", "http", "api"), picked))
     api = f"http://127.0.0.1:{ports['api']}"
-    vllm_cfg = inference.VLLMConfig(model=str(model), port=free_port(), lora_rank=args.lora_r, policies=args.policies,
+    vllm_cfg = inference.VLLMConfig(model=str(model), port=vllm_port, lora_rank=args.lora_r, policies=args.policies,
                                     max_model_len=1024)
     env = {**os.environ, "LIGHTSPAN_DATA_DIR": str(data), "WRITER_MODEL": "writer", "CHECKER_MODEL": "checker"}
     results: dict = {"model": model.name, "config": vars(args), "val": [], "train": []}

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import collector_process, free_port
+from lightspan.runs import free_ports
+from tests.conftest import collector_process
 
 starlette = pytest.importorskip("starlette", reason="pip install 'lightspan[production]'")
 pytest.importorskip("uvicorn", reason="pip install 'lightspan[production]'")
@@ -46,7 +47,7 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("production")
     (tmp / "data").mkdir()
     with ExitStack() as stack, collector_process(tmp / "data", tmp / "collector.log") as (data, ports):
-        standin_port, service_port = free_port(), free_port()
+        standin_port, service_port = free_ports(2)
         proc = _process([sys.executable, str(HERE / "hosted_standin.py"), "--port", str(standin_port)],
                         tmp / "standin.log")
         stack.callback(inference.stop, proc)
