@@ -246,7 +246,9 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-type", default="grpo")
     parser.add_argument("--trl-lr", type=float, default=3e-4)
     parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
-    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+    from lightspan.trainer.config import LORA_TARGETS
+
+    parser.add_argument("--lora-targets", default=LORA_TARGETS,
                         help="both sides' LoRA target modules (lightspan train --lora-target-modules; "
                              "'all-linear': every linear layer but the head)")
 

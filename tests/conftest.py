@@ -7,7 +7,6 @@ weights they need first.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -19,9 +18,9 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from lightspan.runs import free_ports
+
+    return free_ports(1)[0]
 
 
 @contextmanager
@@ -29,9 +28,7 @@ def collector_process(data: Path, log_path: Path):
     """The real collector service (``python -m lightspan.cli collector``) on free ports, storing in
     ``data``; yields ``(data, ports)`` once /healthz answers, and stops it after."""
     from lightspan import inference
-    from lightspan.runs import wait_http
-
-    from lightspan.runs import free_ports
+    from lightspan.runs import free_ports, wait_http
 
     ports = dict(zip(("grpc", "http", "api"), free_ports(3)))
     with open(log_path, "wb") as log_file:

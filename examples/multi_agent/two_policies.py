@@ -40,6 +40,7 @@ from pathlib import Path
 import requests
 
 from lightspan import inference, store
+from lightspan.runs import free_ports
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "sql_agent" / "data"
@@ -136,8 +137,6 @@ def main() -> int:
     train_tasks = [json.loads(line) for line in Path(args.train_tasks).read_text().splitlines() if line.strip()]
     val_tasks = [json.loads(line) for line in Path(args.val_tasks).read_text().splitlines() if line.strip()]
     val_file = write_jsonl(data / "val.jsonl", [{**t, "temperature": 0.0} for t in val_tasks[:args.val_limit]])
-    from lightspan.runs import free_ports
-
     *picked, vllm_port = free_ports(4)
     ports = dict(zip(("grpc", "http", "api"), picked))
     api = f"http://127.0.0.1:{ports['api']}"
