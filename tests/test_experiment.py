@@ -87,8 +87,12 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
                     "--metrics-port", str(metrics_port), *lora],
                    check=True, stdout=subprocess.DEVNULL)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["step"] for r in results["train"]] == [1, 2, 3, 4] and all(r["trained"] for r in results["train"])
-    assert results["trainer"]["steps"] >= 3                       # steps may merge, none is lost
+    assert [r["step"] for r in results["train"]] == [1, 2, 3, 4]
+    # a step whose every group scored alike has nothing to train (GRPO's advantage is zero): at
+    # least two steps trained, so the overlap with max_staleness 1 was exercised
+    trained = [r["step"] for r in results["train"] if r["trained"]]
+    assert len(trained) >= 2, results["train"]
+    assert results["trainer"]["steps"] >= len(trained) - 1        # steps may merge, none is lost
     staleness = _staleness_of_trained(data)
     assert len(staleness) == sum(r["trainable"] for r in results["train"]) > 0
     assert max(staleness) <= 1 and min(staleness) >= 0, staleness
