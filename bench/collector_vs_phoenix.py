@@ -44,7 +44,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -61,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from otlp_load import EXPORT_METHOD, GRPC_OPTIONS, RETRY_INFO_KEY, genai_request  # noqa: E402
+from lightspan.runs import free_ports  # noqa: E402
 
 STABLE_S = 20.0   # Phoenix has drained once its span count has not moved for this long
 MARK = 6   # bytes of an id that are unique per request: trace_id = mark + 10 bytes, span_id = mark + 2
@@ -273,16 +273,10 @@ def _dropped(result: dict, ledger: Ledger, stored: dict, seconds: float) -> dict
 
 # --- Phoenix, as its own server process --------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Phoenix:
     def __init__(self, python: str, workdir: str):
         self.workdir = workdir
-        self.http_port, self.grpc_port = _free_port(), _free_port()
+        self.http_port, self.grpc_port = free_ports(2)
         env = {**os.environ, "PHOENIX_WORKING_DIR": workdir, "PHOENIX_HOST": "127.0.0.1",
                "PHOENIX_PORT": str(self.http_port), "PHOENIX_GRPC_PORT": str(self.grpc_port),
                "PHOENIX_TELEMETRY_ENABLED": "false", "PHOENIX_ENABLE_AUTH": "false",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,10 @@ from pathlib import Path
 
 import psutil
 
+from lightspan.runs import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -43,7 +38,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
 
 def start_service(kind: str, seed: int, log: Path, tree: Path) -> tuple[subprocess.Popen, str, dict]:
     """The service the README starts by hand; returns it, the URL the run uses and the agent's env."""
-    port = free_port()
+    port = free_ports(1)[0]
     if kind == "retriever":
         argv = [sys.executable, "examples/search_r1/retriever.py", "--port", str(port)]
         url, ready = f"http://127.0.0.1:{port}/retrieve", f"http://127.0.0.1:{port}/healthz"

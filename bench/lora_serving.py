@@ -39,12 +39,12 @@ import torch
 
 from lightspan import inference, store
 from lightspan.models import DEFAULT_SMOLLM2_DIR, prepare_smollm2
-from lightspan.runs import tree_cpu_seconds
+from lightspan.runs import free_ports, tree_cpu_seconds
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.lora import save_merged
 from lightspan.trainer.sync import LoraSync, ReloadSync, prompt_logprobs
-from vllm_servers import free_port, medians, servers
+from vllm_servers import medians, servers
 
 
 def trained_adapter(model_dir: Path, work: Path, r: int) -> Trainer:
@@ -86,8 +86,9 @@ def main() -> None:
     trainer = trained_adapter(DEFAULT_SMOLLM2_DIR, work, args.lora_r)
     model = trainer.accelerator.unwrap_model(trainer.model)
     adapter_dir = trainer.checkpoints()[-1][1]       # its step saved version 1
-    cfgs = {"adapter": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port(), lora_rank=args.lora_r),
-            "merged": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port())}
+    adapter_port, merged_port = free_ports(2)
+    cfgs = {"adapter": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=adapter_port, lora_rank=args.lora_r),
+            "merged": inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=merged_port)}
     with servers(cfgs, work) as procs:
         adapter_url, merged_url = cfgs["adapter"].url, cfgs["merged"].url
         LoraSync(adapter_url, "policy").push(adapter_dir, 1)

@@ -40,6 +40,7 @@ import requests
 import torch
 
 from lightspan import inference, store
+from lightspan.runs import free_ports
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.policies import PolicyTrainers
@@ -48,14 +49,6 @@ SMOLLM2_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-in
 # sequences, prompt tokens, completion tokens, micro-batch
 SHAPES = {"tiny": (16, 96, 64, 8), "smollm2": (4, 48, 32, 2)}
 log = logging.getLogger("bench.policies")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(name: str, tmp: Path) -> Path:
@@ -179,7 +172,7 @@ def main() -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     served = tmp / "served.toml"          # what vLLM makes room for: the three adapters
     served.write_text("".join(f'[[policies]]\nname = "{n}"\nagents = ["{n}"]\n' for n in ("one", "writer", "checker")))
-    cfg = inference.VLLMConfig(model=str(model), port=free_port(), max_model_len=512, lora_rank=args.lora_r,
+    cfg = inference.VLLMConfig(model=str(model), port=free_ports(1)[0], max_model_len=512, lora_rank=args.lora_r,
                                policies=str(served))
     log_path = tmp / "vllm.log"
     proc = inference.start(cfg, log_path)

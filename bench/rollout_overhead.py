@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 AGENT = BENCH / "agents" / "three_calls.py"
 sys.path.insert(0, str(BENCH))
+
+from lightspan.runs import free_ports  # noqa: E402
 
 
 def serve(port: int) -> None:
@@ -110,16 +111,10 @@ def serve(port: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_stub() -> tuple[subprocess.Popen, str]:
     import requests
 
-    port = _free_port()
+    port = free_ports(1)[0]
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

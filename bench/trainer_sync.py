@@ -40,6 +40,7 @@ import torch
 
 from lightspan import inference
 from lightspan.models import prepare_smollm2
+from lightspan.runs import free_ports
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.loop import Trainer
 from lightspan.trainer.sync import verify
@@ -47,14 +48,6 @@ from lightspan.trainer.sync import verify
 MODEL_DIR = Path.home() / ".cache" / "lightspan" / "models" / "smollm2-135m-instruct"
 TARGETS = {"lora": 1.0, "reload": 5.0}
 log = logging.getLogger("bench.trainer_sync")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dir_bytes(path: Path) -> int:
@@ -116,7 +109,7 @@ def main() -> int:
     model = prepare_smollm2(MODEL_DIR)
     results: dict = {"model": "SmolLM2-135M-Instruct (float32, untied)", "syncs": args.syncs, "lora_r": args.lora_r}
     with tempfile.TemporaryDirectory(prefix="trainer-sync-") as tmp:
-        vcfg = inference.VLLMConfig(model=str(model), port=free_port(), max_model_len=512, lora_rank=args.lora_r)
+        vcfg = inference.VLLMConfig(model=str(model), port=free_ports(1)[0], max_model_len=512, lora_rank=args.lora_r)
         log_path = Path(tmp) / "vllm.log"
         proc = inference.start(vcfg, log_path)
         try:

@@ -33,8 +33,8 @@ import requests
 from lightspan import demo, inference
 from lightspan.agents.math_agent import INSTRUCTION
 from lightspan.models import DEFAULT_SMOLLM2_DIR, prepare_smollm2
-from lightspan.runs import tree_cpu_seconds
-from vllm_servers import free_port, medians, servers
+from lightspan.runs import free_ports, tree_cpu_seconds
+from vllm_servers import medians, servers
 
 
 def chat(url: str, question: str, temperature: float) -> dict:
@@ -60,8 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     prepare_smollm2(DEFAULT_SMOLLM2_DIR)
     sizes = [int(b) for b in args.block_sizes.split(",")]
-    cfgs = {b: inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port(), extra_args=f"--block-size {b}")
-            for b in sizes}
+    cfgs = {b: inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=port, extra_args=f"--block-size {b}")
+            for b, port in zip(sizes, free_ports(len(sizes)))}
     train, _ = demo.make_tasks(0, (args.rounds + 1) * args.groups, 0)
     questions = [t["question"] for t in train]
     work = Path(tempfile.mkdtemp(prefix="vllm-block-size-"))

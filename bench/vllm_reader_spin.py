@@ -30,8 +30,8 @@ import requests
 
 from lightspan import inference
 from lightspan.models import DEFAULT_SMOLLM2_DIR, prepare_smollm2
-from lightspan.runs import tree_cpu_seconds
-from vllm_servers import free_port, medians, servers
+from lightspan.runs import free_ports, tree_cpu_seconds
+from vllm_servers import medians, servers
 
 _DEFAULT = inference.VLLMConfig.__dataclass_fields__
 ARMS = {"vllm": (-1.0, -1.0),   # arm -> VLLMConfig's (reader_spin_s, reader_recheck_s)
@@ -65,8 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     prepare_smollm2(DEFAULT_SMOLLM2_DIR)
     work = Path(tempfile.mkdtemp(prefix="vllm-reader-spin-"))
-    cfgs = {arm: inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=free_port(), reader_spin_s=spin,
-                                      reader_recheck_s=recheck) for arm, (spin, recheck) in ARMS.items()}
+    cfgs = {arm: inference.VLLMConfig(model=str(DEFAULT_SMOLLM2_DIR), port=port, reader_spin_s=spin,
+                                      reader_recheck_s=recheck)
+            for (arm, (spin, recheck)), port in zip(ARMS.items(), free_ports(len(ARMS)))}
     with servers(cfgs, work) as procs:
         same = greedy(cfgs["vllm"].url, args.tokens) == greedy(cfgs["lightspan"].url, args.tokens)
         rows: dict = {arm: [] for arm in cfgs}

@@ -40,7 +40,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightspan import demo, inference
 from lightspan.agents.math_agent import INSTRUCTION
 from lightspan.models import DEFAULT_SMOLLM2_DIR, prepare_smollm2
-from vllm_servers import free_port, servers
+from lightspan.runs import free_ports
+from vllm_servers import servers
 
 
 def sample(url: str, model: str, prompt: list[int], n: int, max_tokens: int, temperature: float) -> list[dict]:
@@ -121,7 +122,7 @@ def main() -> None:
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": f"{t['question']} {INSTRUCTION}"}],
                                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
                for t in train]
-    cfg = inference.VLLMConfig(model=model_dir, port=free_port(), seed=args.seed)
+    cfg = inference.VLLMConfig(model=model_dir, port=free_ports(1)[0], seed=args.seed)
     with tempfile.TemporaryDirectory() as work, servers({"policy": cfg}, Path(work)):
         name = cfg.served_base_name
         result = {"temperature": args.temperature,

@@ -3,18 +3,11 @@ bench/vllm_reader_spin.py): free ports, the servers started and stopped, per-arm
 
 from __future__ import annotations
 
-import socket
 import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
 from lightspan import inference
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
