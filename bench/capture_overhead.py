@@ -73,13 +73,11 @@ MODEL = capture_stub.MODEL
 # --- the stub server (bench/capture_stub.py, its own process) ---------------------------------
 
 def _start_stub(prompt_tokens: int, completion_tokens: int, ids_for_all: bool = False) -> tuple[subprocess.Popen, str]:
-    import socket
-
     import requests
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lightspan.runs import free_ports
+
+    port = free_ports(1)[0]
     flags = ["--ids-for-all"] if ids_for_all else []
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("capture_stub.py")), str(port),
                              "--prompt-tokens", str(prompt_tokens), "--completion-tokens", str(completion_tokens), *flags])

@@ -158,14 +158,9 @@ def _second_collector(data_dir: str):
     import subprocess
     import urllib.request
 
-    import socket
+    from lightspan.runs import free_ports
 
-    def free() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    ports = [free(), free(), free()]
+    ports = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "lightspan.cli", "collector", "--data-dir", data_dir,
                              "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--api-port", str(ports[2]),
                              "--log-format", "text"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

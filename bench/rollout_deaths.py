@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,11 @@ from pathlib import Path
 
 import requests
 
+from lightspan.runs import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "agents" / "dying_agent.py"
 WAYS = ("exit", "raise", "hang", "kill")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, proc: subprocess.Popen, what: str, method: str = "get") -> None:
@@ -62,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rollout-deaths-"))
     data = work / "data"
-    ports = {k: _port() for k in ("grpc", "http", "api", "stub")}
+    ports = dict(zip(("grpc", "http", "api", "stub"), free_ports(4)))
     procs = []
     try:
         collector = subprocess.Popen(

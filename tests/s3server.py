@@ -18,22 +18,18 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from lightspan.runs import free_ports
+
 # credentials the server accepts (any); the standard variables every AWS client reads
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "lightspan-test", "AWS_SECRET_ACCESS_KEY": "lightspan-test-secret",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
     """``python -m moto.server`` on 127.0.0.1:``port``; ``env`` points AWS clients at it."""
 
     def __init__(self, log_path: Path, port: int | None = None):
-        self.port = port or _free_port()
+        self.port = port or free_ports(1)[0]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.env = {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
