@@ -21,8 +21,8 @@ group size and sampling temperature (0.7), and the same CPU budget.
   settings that learned fastest per minute in the probe of docs/architecture.md), a constant
   learning rate (TRL's default decays it over ``max_steps``, which a budget makes arbitrary), no
   gradient checkpointing (TRL's default, which recomputes activations to save memory), its loss
-  ``--loss-type``, no KL; held-out evaluation by greedy ``generate`` in its own process,
-  every ``--eval-every`` optimizer steps. CPU: the process's own (all its threads), from its start.
+  ``--loss-type``, KL ``--beta`` (default 0: none; the same on both sides); held-out evaluation by
+  greedy ``generate`` in its own process, every ``--eval-every`` optimizer steps. CPU: the process's own (all its threads), from its start.
 
 ``--task gsm8k`` (bench/learning_tasks.py): examples/gsm8k's problems instead. Equal on both sides: the
 model, the training problems (data/train.jsonl in file order, cycled, ``--tasks-per-step`` a step), the
@@ -214,7 +214,7 @@ def trl_config(args, work: Path):
         output_dir=str(work / "trl"), use_cpu=True, bf16=False, seed=args.seed,
         learning_rate=args.trl_lr, lr_scheduler_type="constant", num_generations=args.samples,
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
-        max_completion_length=args.max_tokens, temperature=0.7, beta=0.0, loss_type=args.loss_type,
+        max_completion_length=args.max_tokens, temperature=0.7, beta=args.beta, loss_type=args.loss_type,
         max_steps=args.max_steps, shuffle_dataset=False, remove_unused_columns=False, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=False)   # TRL's default recomputes activations: memory is no concern here
@@ -233,7 +233,7 @@ def lightspan_trainer_config(args, model_dir: str, work: Path):
                                       samples=args.samples, val_tasks=1, model=model_dir), work)
     # batch_size 0 and sync as the experiment runs it; the staleness bound does not change one step
     return TrainerConfig(model=model_dir, data_dir=str(work / "lightspan-trainer"), seed=exp.seed,
-                         learning_rate=exp.learning_rate, loss_type=exp.loss_type, beta=exp.beta,
+                         learning_rate=exp.learning_rate, loss_type=exp.loss_type, beta=args.beta,
                          max_staleness=exp.max_staleness, batch_size=0, lora_r=exp.lora_r,
                          lora_alpha=exp.lora_alpha, lora_target_modules=args.lora_targets, sync="none")
 
@@ -244,6 +244,9 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=8, help="the group size: completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per completion (the agent's 24)")
     parser.add_argument("--loss-type", default="grpo")
+    parser.add_argument("--beta", type=float, default=0.0,
+                        help="both sides' KL coefficient to the initial model (k3 estimator; with LoRA the reference "
+                             "is the base, adapters off: one more forward a step); default 0, no KL")
     parser.add_argument("--trl-lr", type=float, default=3e-4)
     parser.add_argument("--trl-lora-r", type=int, default=16, help="0: full fine-tuning")
     from lightspan.trainer.config import LORA_TARGETS
