@@ -78,6 +78,11 @@ def lightspan_tasks_per_step(args) -> int:
     return getattr(args, "lightspan_tasks_per_step", None) or args.tasks_per_step
 
 
+def lightspan_samples(args) -> int:
+    """lightspan's group size: ``--lightspan-samples`` if given, else both sides' ``--samples``."""
+    return getattr(args, "lightspan_samples", None) or args.samples
+
+
 def max_model_len(model: str) -> int:
     """vLLM's context: 1024, or less for a model that has fewer positions (the tiny test model)."""
     if not model:
@@ -92,7 +97,7 @@ def _addition_experiment(args, tasks_dir: Path):
     from lightspan import demo
 
     cfg = demo.DemoConfig(seed=args.seed, steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args),
-                          samples=args.samples, val_tasks=args.val_tasks, model=args.model,
+                          samples=lightspan_samples(args), val_tasks=args.val_tasks, model=args.model,
                           data_dir=str(Path(args.work) / "lightspan"),
                           **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     return _ports_and_budget(demo.preset(cfg, tasks_dir), args)
@@ -141,7 +146,7 @@ def documented_gsm8k():
 
 def _gsm8k_experiment(args, tasks_dir: Path):
     exp = dataclasses.replace(
-        documented_gsm8k(), steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args), samples=args.samples,
+        documented_gsm8k(), steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args), samples=lightspan_samples(args),
         val_limit=args.val_tasks, seed=args.seed, model=args.model, data_dir=str(Path(args.work) / "lightspan"),
         **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     return _ports_and_budget(exp, args)

@@ -255,3 +255,28 @@ def test_lora_targets_reach_both_sides(task, tmp_path):
     assert lightspan.lora_target_modules == "q_proj,v_proj,gate_proj,up_proj,down_proj"
     assert set(lora.target_modules) == {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
     assert lvt.lightspan_trainer_config(args, str(tmp_path), tmp_path).lora_target_modules == lightspan.lora_target_modules
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_beta_reaches_both_sides(task, tmp_path):
+    parser = argparse.ArgumentParser()
+    lvt.add_shared_options(parser)
+    experiment = tasks.TASKS[task].experiment
+    for argv, beta in (([], 0.0), (["--beta", "0.04"], 0.04)):
+        args = _args(work=str(tmp_path), **vars(parser.parse_args(argv)))
+        config, _ = lvt.trl_config(args, tmp_path)
+        assert config.beta == beta
+        assert experiment(args, tmp_path).beta == beta
+        assert lvt.lightspan_trainer_config(args, str(tmp_path), tmp_path).beta == beta
+
+
+@pytest.mark.parametrize("task", ["addition", "gsm8k"])
+def test_lightspan_samples_sets_lightspans_group_size_only(task, tmp_path):
+    experiment = tasks.TASKS[task].experiment
+    args = _args(work=str(tmp_path), lightspan_samples=16, lightspan_tasks_per_step=2, trl_lr=3e-4, trl_lora_r=16,
+                 loss_type="grpo", max_tokens=24, beta=0.0, lora_targets="all-linear")
+    exp = experiment(args, tmp_path)
+    assert (exp.samples, exp.tasks_per_step) == (16, 2)
+    config, _ = lvt.trl_config(args, tmp_path)
+    assert config.num_generations == args.samples == 8          # TRL's group size stays --samples
+    assert experiment(_args(work=str(tmp_path), lightspan_samples=None), tmp_path).samples == 8
