@@ -9,7 +9,8 @@ A + B? End your reply with 'Answer: <number>'.", scored by the demo agent's ``sc
 right last integer, 1.2 with the format), the same training tasks in the same order, the same
 held-out 48 additions answered greedily (``--max-tokens`` new tokens), the same prompts per step
 (unless ``--lightspan-tasks-per-step`` gives lightspan more: the same task list, consumed faster),
-group size and sampling temperature (0.7), and the same CPU budget.
+group size (unless ``--lightspan-samples`` gives lightspan another), sampling temperature (0.7), KL
+coefficient (``--beta``, default 0) and the same CPU budget.
 
 - **lightspan**: the demo's preset (``lightspan.demo.preset``: its agent run by ``lightspan rollout``,
   vLLM, the collector, ``lightspan transitions build``, the continuous trainer overlapped with the
