@@ -146,7 +146,8 @@ def documented_gsm8k():
 
 def _gsm8k_experiment(args, tasks_dir: Path):
     exp = dataclasses.replace(
-        documented_gsm8k(), steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args), samples=lightspan_samples(args),
+        documented_gsm8k(), steps=args.max_steps, tasks_per_step=lightspan_tasks_per_step(args),
+        samples=lightspan_samples(args),
         val_limit=args.val_tasks, seed=args.seed, model=args.model, data_dir=str(Path(args.work) / "lightspan"),
         **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     return _ports_and_budget(exp, args)

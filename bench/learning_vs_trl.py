@@ -23,7 +23,8 @@ coefficient (``--beta``, default 0) and the same CPU budget.
   learning rate (TRL's default decays it over ``max_steps``, which a budget makes arbitrary), no
   gradient checkpointing (TRL's default, which recomputes activations to save memory), its loss
   ``--loss-type``, KL ``--beta`` (default 0: none; the same on both sides); held-out evaluation by
-  greedy ``generate`` in its own process, every ``--eval-every`` optimizer steps. CPU: the process's own (all its threads), from its start.
+  greedy ``generate`` in its own process, every ``--eval-every`` optimizer steps. CPU: the process's
+  own (all its threads), from its start.
 
 ``--task gsm8k`` (bench/learning_tasks.py): examples/gsm8k's problems instead. Equal on both sides: the
 model, the training problems (data/train.jsonl in file order, cycled, ``--tasks-per-step`` a step), the
