@@ -44,6 +44,14 @@ def best_gain_per_cpu_minute(curve: list[dict]) -> float:
     return (best["solved"] - curve[0]["solved"]) / max(best["cpu_s"] / 60.0, 1e-9)
 
 
+def cpu_per_step(curve: list[dict]) -> float | None:
+    """CPU-seconds a training step, from the first evaluation to the last (start-up left out); None for a
+    curve without a step. What a host changes most: the same side's steps cost differently on another CPU."""
+    first, last = curve[0], curve[-1]
+    steps = last["step"] - first["step"]
+    return (last["cpu_s"] - first["cpu_s"]) / steps if steps > 0 else None
+
+
 def _ratio(lightspan: float, trl: float) -> float | None:
     return lightspan / trl if trl > 0 else None
 
@@ -61,7 +69,8 @@ def summarise(runs: dict) -> dict:
             out[side] = {"gain_per_cpu_min": rates, "mean": statistics.mean(rates), "range": [min(rates), max(rates)],
                          "seeds": list(curves), "best_gain_per_cpu_min": best, "best_mean": statistics.mean(best),
                          "best_range": [min(best), max(best)],
-                         "best_evaluation": [best_evaluation(c) for c in curves.values()]}
+                         "best_evaluation": [best_evaluation(c) for c in curves.values()],
+                         "cpu_s_per_step": [cpu_per_step(c) for c in curves.values()]}
     if "lightspan" in out and "trl" in out:
         ls, trl = out["lightspan"], out["trl"]
         if trl["mean"] > 0:
@@ -80,9 +89,11 @@ def summarise(runs: dict) -> dict:
     return out
 
 
-def report(summary: dict, noun: str = "additions", load: list[float] | None = None) -> list[str]:
+def report(summary: dict, noun: str = "additions", load: list[float] | None = None,
+           hosts: list[str] | None = None) -> list[str]:
     """The summary's printed lines: the last evaluation's (as before), then the best evaluation's, then
-    each seed's ratios."""
+    each seed's ratios, then each side's CPU-seconds a step and the host (``hosts``: the CPU model of
+    each file read; several: a cross-host reading, said so)."""
     lines = []
     for side in SIDES:
         if side in summary:
@@ -114,4 +125,14 @@ def report(summary: dict, noun: str = "additions", load: list[float] | None = No
         every = summary["every_seed_at_least_1x"]
         lines.append(f"every seed at least 1.0x: last evaluation {'yes' if every['last'] else 'no'}, "
                      f"best evaluation {'yes' if every['best'] else 'no'}")
+    for side in SIDES:
+        steps = [c for c in summary.get(side, {}).get("cpu_s_per_step", ()) if c is not None]
+        if steps:
+            lines.append(f"{side:>9}: {statistics.median(steps):.1f} CPU-s a step, median over seeds "
+                         f"(seeds: {', '.join(f'{c:.1f}' for c in steps)})")
+    if hosts and len(set(hosts)) == 1:
+        lines.append(f"host: {hosts[0]}")
+    elif hosts:
+        lines.append(f"hosts differ ({'; '.join(sorted(set(hosts)))}): a cross-host reading, "
+                     "each side's CPU a step moves with the host")
     return lines

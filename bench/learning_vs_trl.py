@@ -76,7 +76,22 @@ for _name in ("learning_tasks", "learning_summary"):
         _spec.loader.exec_module(sys.modules[_name])
 TASKS = sys.modules["learning_tasks"].TASKS
 from learning_summary import (ENTROPY_FLOOR, SIDES, best_evaluation, best_gain_per_cpu_minute,  # noqa: E402,F401
-                              entropy_flag, gain_per_cpu_minute, report, summarise)
+                              cpu_per_step, entropy_flag, gain_per_cpu_minute, report, summarise)
+
+
+def host() -> str:
+    """This machine's CPU model (/proc/cpuinfo's first ``model name``): a side's CPU a step moves with it
+    (TRL's median step 41.2 CPU-s on one host of this bench, 28.4 on another), so a run records it and a
+    reading across files names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
 
 
 # --- lightspan ------------------------------------------------------------------------------------
@@ -263,7 +278,8 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
 def summarise_file(*paths: str) -> list[str]:
     """The printed summary of saved ``--out`` JSONs, old files (no best-evaluation keys, no task) too.
     Several files are read as one run: their seeds together (runs of one task, each seed of a side in one
-    file only; the load is shown for a single file only)."""
+    file only; the load is shown for a single file only, the host of each file that recorded one: several
+    hosts make a cross-host reading, and the last line says so)."""
     saved = [json.loads(Path(path).read_text()) for path in paths]
     tasks = {s.get("task", "addition") for s in saved}
     if len(tasks) > 1:
@@ -278,7 +294,8 @@ def summarise_file(*paths: str) -> list[str]:
                                      "give each seed once")
                 runs[side][str(seed)] = curve
     load = saved[0].get("load_1m") if len(saved) == 1 else None
-    return report(summarise(runs), TASKS[tasks.pop()].noun, load)
+    hosts = [s.get("host", "host not recorded") for s in saved] if any("host" in s for s in saved) else None
+    return report(summarise(runs), TASKS[tasks.pop()].noun, load, hosts)
 
 
 def main() -> None:
@@ -363,9 +380,10 @@ def main() -> None:
             if args.out:   # after every run, so a run stopped early keeps what it measured
                 Path(args.out).write_text(json.dumps({
                     "task": args.task, "runs": runs, "summary": summarise(runs), "entropy": entropy,
-                    "train_reward": train, "load_1m": [*load, os.getloadavg()[0]], "argv": sys.argv[1:]}, indent=1) + "\n")
+                    "train_reward": train, "load_1m": [*load, os.getloadavg()[0]], "argv": sys.argv[1:],
+                    "host": host()}, indent=1) + "\n")
     load.append(os.getloadavg()[0])
-    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load)), flush=True)
+    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load, [host()])), flush=True)
 
 
 if __name__ == "__main__":

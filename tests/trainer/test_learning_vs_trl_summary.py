@@ -87,7 +87,19 @@ def test_report_keeps_the_old_lines_and_adds_the_best(capsys):
     assert lines[3].startswith("lightspan: best held-out gain +1.35 problems per CPU-minute (seeds: +2.70 (32/48 @ 10.0)")
     assert "ratio lightspan / TRL on the best evaluation: 0.42x" in lines
     assert "seed 0: lightspan / TRL 1.04x on the last evaluation, 0.45x on the best" in lines
-    assert lines[-1] == "every seed at least 1.0x: last evaluation no, best evaluation no"
+    assert lines[-3] == "every seed at least 1.0x: last evaluation no, best evaluation no"
+    # then each side's CPU a step, start-up left out: (900 - 30) / 15 and (900 - 6) / 15
+    assert lines[-2:] == ["lightspan: 58.0 CPU-s a step, median over seeds (seeds: 58.0, 58.0)",
+                          "      trl: 59.6 CPU-s a step, median over seeds (seeds: 59.6, 59.6)"]
+
+
+def test_cpu_per_step_leaves_start_up_out_and_needs_a_step():
+    assert lvt.cpu_per_step([point(0, 40, 5), point(5, 140, 9), point(8, 200, 9)]) == pytest.approx(20.0)
+    assert lvt.cpu_per_step([point(0, 40, 5)]) is None
+    runs = {"lightspan": {0: [point(0, 40, 5)]}, "trl": {0: [point(0, 6, 5), point(4, 106, 7)]}}
+    lines = lvt.report(lvt.summarise(runs))
+    assert not any(line.startswith("lightspan:") and "CPU-s a step" in line for line in lines)
+    assert "      trl: 25.0 CPU-s a step, median over seeds (seeds: 25.0)" in lines
 
 
 def test_an_old_json_without_the_new_keys_still_summarises(tmp_path):
@@ -229,6 +241,23 @@ def test_several_files_are_summarised_as_one_run_of_their_seeds(tmp_path):
     assert lines == lvt.report(lvt.summarise(json.loads(json.dumps(RUNS))), "additions")
     assert "seed 1: lightspan / TRL -0.17x on the last evaluation, 0.00x on the best" in lines
     assert "(load" not in lines[2]                # a load of one file is not the merged run's
+
+
+def test_the_host_is_named_and_a_reading_across_hosts_says_so(tmp_path):
+    assert lvt.host() and lvt.host() != "unknown"
+    one = {side: {"0": RUNS[side][0]} for side in RUNS}
+    two = {side: {"1": RUNS[side][1]} for side in RUNS}
+    (tmp_path / "a.json").write_text(json.dumps({"task": "addition", "runs": one, "host": "CPU A"}))
+    (tmp_path / "b.json").write_text(json.dumps({"task": "addition", "runs": two, "host": "CPU A"}))
+    (tmp_path / "c.json").write_text(json.dumps({"task": "addition", "runs": two, "host": "CPU B"}))
+    (tmp_path / "d.json").write_text(json.dumps({"task": "addition", "runs": two}))       # before hosts were kept
+    same = lvt.summarise_file(str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert same[-1] == "host: CPU A"
+    mixed = lvt.summarise_file(str(tmp_path / "a.json"), str(tmp_path / "c.json"))
+    assert mixed[-1].startswith("hosts differ (CPU A; CPU B): a cross-host reading")
+    unknown = lvt.summarise_file(str(tmp_path / "a.json"), str(tmp_path / "d.json"))
+    assert unknown[-1].startswith("hosts differ (CPU A; host not recorded)")
+    assert same[:-1] == mixed[:-1] == unknown[:-1]             # the host changes no figure
 
 
 def test_a_seed_in_two_files_or_two_tasks_are_refused(tmp_path):
