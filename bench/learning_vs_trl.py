@@ -360,6 +360,7 @@ def main() -> None:
     entropy: dict = {}          # side -> seed -> first/last entropy (nats/token), the floor, the flag
     train: dict = {}            # side -> seed -> the training reward per step (what settings are chosen on)
     load = [os.getloadavg()[0]]
+    machine = host()
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side in runs:
             with tempfile.TemporaryDirectory(prefix=f"lightspan-vs-trl-{side}-{seed}-") as work:
@@ -381,9 +382,9 @@ def main() -> None:
                 Path(args.out).write_text(json.dumps({
                     "task": args.task, "runs": runs, "summary": summarise(runs), "entropy": entropy,
                     "train_reward": train, "load_1m": [*load, os.getloadavg()[0]], "argv": sys.argv[1:],
-                    "host": host()}, indent=1) + "\n")
+                    "host": machine}, indent=1) + "\n")
     load.append(os.getloadavg()[0])
-    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load, [host()])), flush=True)
+    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load, [machine])), flush=True)
 
 
 if __name__ == "__main__":
