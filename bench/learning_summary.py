@@ -52,6 +52,25 @@ def cpu_per_step(curve: list[dict]) -> float | None:
     return (last["cpu_s"] - first["cpu_s"]) / steps if steps > 0 else None
 
 
+def parts_per_step(parts: dict) -> dict:
+    """Per side, each part's CPU-seconds a training step, the median over seeds. ``parts``: side -> seed ->
+    ``{"cpu_s": {part: CPU-seconds over the run's steps, start-up and evaluations left out}, "steps": n}``
+    (bench/learning_vs_trl.py's JSON); a seed without a step is left out, a part a seed lacks counts 0."""
+    out = {}
+    for side, seeds in parts.items():
+        per = [{k: v / p["steps"] for k, v in p["cpu_s"].items()} for p in seeds.values() if p.get("steps")]
+        if per:
+            names = list(dict.fromkeys(k for d in per for k in d))
+            out[side] = {"seeds": len(per), "cpu_s": {k: statistics.median(d.get(k, 0.0) for d in per) for k in names}}
+    return out
+
+
+PARTS = {"lightspan": "rest: the experiment's own process, the rollouts with their agents, the transition builds",
+         "trl": "generate: TRL's sampling; score: the rewards and the logprobs before the update; train: the "
+                "passes and the optimizer"}
+"""What each side's parts are, printed beside them."""
+
+
 def _ratio(lightspan: float, trl: float) -> float | None:
     return lightspan / trl if trl > 0 else None
 
@@ -90,10 +109,10 @@ def summarise(runs: dict) -> dict:
 
 
 def report(summary: dict, noun: str = "additions", load: list[float] | None = None,
-           hosts: list[str] | None = None) -> list[str]:
+           hosts: list[str] | None = None, parts: dict | None = None) -> list[str]:
     """The summary's printed lines: the last evaluation's (as before), then the best evaluation's, then
-    each seed's ratios, then each side's CPU-seconds a step and the host (``hosts``: the CPU model of
-    each file read; several: a cross-host reading, said so)."""
+    each seed's ratios, then each side's CPU-seconds a step (and by part: ``parts``, :func:`parts_per_step`'s)
+    and the host (``hosts``: the CPU model of each file read; several: a cross-host reading, said so)."""
     lines = []
     for side in SIDES:
         if side in summary:
@@ -130,6 +149,10 @@ def report(summary: dict, noun: str = "additions", load: list[float] | None = No
         if steps:
             lines.append(f"{side:>9}: {statistics.median(steps):.1f} CPU-s a step, median over seeds "
                          f"(seeds: {', '.join(f'{c:.1f}' for c in steps)})")
+    for side, p in (parts or {}).items():
+        split = ", ".join(f"{k} {v:.1f}" for k, v in p["cpu_s"].items())
+        lines.append(f"{side:>9}: CPU-s a step by part, median over {p['seeds']} seed{'s' * (p['seeds'] > 1)}: "
+                     f"{split} ({PARTS.get(side, '')})")
     if hosts and len(set(hosts)) == 1:
         lines.append(f"host: {hosts[0]}")
     elif hosts:

@@ -76,7 +76,8 @@ for _name in ("learning_tasks", "learning_summary"):
         _spec.loader.exec_module(sys.modules[_name])
 TASKS = sys.modules["learning_tasks"].TASKS
 from learning_summary import (ENTROPY_FLOOR, SIDES, best_evaluation, best_gain_per_cpu_minute,  # noqa: E402,F401
-                              cpu_per_step, entropy_flag, gain_per_cpu_minute, report, summarise)
+                              cpu_per_step, entropy_flag, gain_per_cpu_minute, parts_per_step, report,
+                              summarise)
 
 
 def host() -> str:
@@ -107,7 +108,10 @@ def lightspan_side(args) -> list[dict]:
     # the trainer's mean per-token entropy over the sampled completion tokens of its first and last step
     trainer = results["trainer"]
     train = [{"step": t["step"], "reward": round(t["reward_mean"], 4)} for t in results["train"]]
-    return {"curve": curve, "train": train,
+    # each part's CPU over the steps: training's less what came before the first step (the services' start)
+    by_part = results["cpu_seconds_by_part"]
+    steps = {k: round(v - by_part["start_up"].get(k, 0.0), 1) for k, v in by_part["training"].items()}
+    return {"curve": curve, "train": train, "parts": {"cpu_s": steps, "steps": len(results["train"])},
             "entropy": {"first": trainer.get("entropy_first"), "last": trainer.get("entropy_last")}}
 
 
@@ -188,10 +192,23 @@ def trl_side(args) -> list[dict]:
 
     config, lora = trl_config(args, Path(args.work))
     callbacks = [Budget()]
+    spent = {"generate": 0.0, "generate_and_score": 0.0}   # CPU-s inside TRL's own steps of each step
+
+    def timed(name: str, method):
+        def run(*a, **kw):
+            before = _own_cpu()
+            try:
+                return method(*a, **kw)
+            finally:
+                spent[name] += _own_cpu() - before
+        return run
+
     if args.trl_sampling_seed is not None:
         callbacks.append(sampling_seed_callback(args.trl_sampling_seed + args.seed))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._generate_and_score_completions = timed("generate_and_score", trainer._generate_and_score_completions)
     trainer.train()
     if curve[-1]["step"] != trainer.state.global_step:     # max_steps reached before the budget
         evaluate(trainer.model, trainer.state.global_step)
@@ -199,7 +216,12 @@ def trl_side(args) -> list[dict]:
     # step's completion tokens, logits divided by the sampling temperature)
     entropies = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
     train = [{"step": h["step"], "reward": round(h["reward"], 4)} for h in trainer.state.log_history if "reward" in h]
-    return {"curve": curve, "train": train, "entropy": {"first": entropies[0] if entropies else None,
+    steps = curve[-1]["cpu_s"] - curve[0]["cpu_s"]      # the steps' CPU: start-up and evaluations left out
+    parts = {"generate": spent["generate"], "score": spent["generate_and_score"] - spent["generate"],
+             "train": steps - spent["generate_and_score"]}
+    return {"curve": curve, "train": train, "parts": {"cpu_s": {k: round(v, 1) for k, v in parts.items()},
+                                                      "steps": trainer.state.global_step},
+            "entropy": {"first": entropies[0] if entropies else None,
                                                         "last": entropies[-1] if entropies else None}}
 
 
@@ -295,7 +317,11 @@ def summarise_file(*paths: str) -> list[str]:
                 runs[side][str(seed)] = curve
     load = saved[0].get("load_1m") if len(saved) == 1 else None
     hosts = [s.get("host", "host not recorded") for s in saved] if any("host" in s for s in saved) else None
-    return report(summarise(runs), TASKS[tasks.pop()].noun, load, hosts)
+    parts: dict = {}            # (files from before the parts were recorded have none)
+    for s in saved:
+        for side, seeds in s.get("parts", {}).items():
+            parts.setdefault(side, {}).update(seeds)
+    return report(summarise(runs), TASKS[tasks.pop()].noun, load, hosts, parts_per_step(parts))
 
 
 def main() -> None:
@@ -359,6 +385,7 @@ def main() -> None:
     runs: dict = {side: {} for side in args.sides.split(",")}
     entropy: dict = {}          # side -> seed -> first/last entropy (nats/token), the floor, the flag
     train: dict = {}            # side -> seed -> the training reward per step (what settings are chosen on)
+    parts: dict = {}            # side -> seed -> each part's CPU-s over the steps, and the steps
     load = [os.getloadavg()[0]]
     machine = host()
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -370,6 +397,7 @@ def main() -> None:
             result = json.loads(out.strip().splitlines()[-1])
             runs[side][seed] = curve = result["curve"]
             train.setdefault(side, {})[seed] = result.get("train", [])
+            parts.setdefault(side, {})[seed] = result["parts"]
             last = result["entropy"]["last"]
             flag = entropy_flag(last)
             entropy.setdefault(side, {})[seed] = {**result["entropy"], "floor": ENTROPY_FLOOR, "flag": flag}
@@ -381,10 +409,11 @@ def main() -> None:
             if args.out:   # after every run, so a run stopped early keeps what it measured
                 Path(args.out).write_text(json.dumps({
                     "task": args.task, "runs": runs, "summary": summarise(runs), "entropy": entropy,
-                    "train_reward": train, "load_1m": [*load, os.getloadavg()[0]], "argv": sys.argv[1:],
-                    "host": machine}, indent=1) + "\n")
+                    "train_reward": train, "parts": parts, "load_1m": [*load, os.getloadavg()[0]],
+                    "argv": sys.argv[1:], "host": machine}, indent=1) + "\n")
     load.append(os.getloadavg()[0])
-    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load, [machine])), flush=True)
+    print("\n".join(report(summarise(runs), TASKS[args.task].noun, load, [machine], parts_per_step(parts))),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -308,6 +308,8 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
                      step, version, row["reward_mean"], 100 * row["solved"], row["rollouts"], row["cpu_seconds"])
 
         validate(0)
+        # what of training came before the first step: the services' start (validation's left out)
+        start_up = {part: seconds - val_parts.get(part, 0.0) for part, seconds in cpu.parts().items()}
         build = build_config(cfg, data)
         for step in range(cfg.steps):
             # the rollouts of this step start once they cannot end up staler than max_staleness
@@ -336,18 +338,20 @@ def loop(cfg: ExperimentConfig, section: str = "experiment") -> dict:
         if results["val"][-1]["step"] != len(results["train"]):   # unless val_every just validated it
             validate(len(results["train"]))
         results["trainer"] = trainer_stats(data)
-        results["cpu_seconds_by_part"] = cpu_by_part(cpu.parts(), val_parts)
+        results["cpu_seconds_by_part"] = cpu_by_part(cpu.parts(), val_parts, start_up)
     results["wall_seconds"] = round(time.monotonic() - t_start, 1)
     results["stage_seconds"] = {k: round(v, 1) for k, v in stages.seconds.items()}
     return results
 
 
-def cpu_by_part(total: dict[str, float], validation: dict[str, float]) -> dict:
+def cpu_by_part(total: dict[str, float], validation: dict[str, float], start_up: dict[str, float]) -> dict:
     """The run's CPU seconds per part (each service with its children; ``rest``: this process, the
     rollouts with their agents, the transition builds), split into training (what the CPU budget
-    counts) and validation."""
+    counts) and validation; ``start_up``: what of training came before the first step (the services'
+    start), so that training less it is the steps'."""
     return {"training": {k: round(v - validation.get(k, 0.0), 1) for k, v in total.items()},
-            "validation": {k: round(v, 1) for k, v in validation.items()}}
+            "validation": {k: round(v, 1) for k, v in validation.items()},
+            "start_up": {k: round(v, 1) for k, v in start_up.items()}}
 
 
 def _services(cfg: ExperimentConfig, spawn, stages: Stages, data: Path, model_dir: Path, ports: dict):

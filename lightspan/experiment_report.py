@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+_PHASES = {"start_up": "of training, before its first step"}   # how the CPU-by-part line names a phase
+
 
 def plot(results: dict, path: Path) -> Path:
     """The learning curve: train reward per step, held-out reward at each checkpoint."""
@@ -54,5 +56,6 @@ def report(results: dict, out_dir: Path) -> None:
     by_part = results.get("cpu_seconds_by_part")
     if by_part:
         out.write("CPU-s by part: " + "; ".join(
-            f"{phase} " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) for phase, parts in by_part.items()) + "\n")
+            f"{_PHASES.get(phase, phase)} " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+            for phase, parts in by_part.items()) + "\n")
     out.write(f"results: {out_dir / 'results.json'}, {out_dir / 'curve.png'}\n")

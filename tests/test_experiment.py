@@ -105,6 +105,10 @@ def test_overlapped_loop_trains_nothing_staler_than_max_staleness(vllm_server, t
     assert set(by_part["training"]) == {"collector", "trainer", "rest"} == set(by_part["validation"])
     assert by_part["training"]["trainer"] > 0 and by_part["validation"]["rest"] > 0
     assert abs(sum(by_part["training"].values()) - results["val"][-1]["cpu_seconds"]) < 5
+    # what of training came before the first step (the services' start): each part's, within its training CPU
+    assert set(by_part["start_up"]) == set(by_part["training"])
+    assert all(0 <= by_part["start_up"][k] <= by_part["training"][k] + 0.1 for k in by_part["training"])
+    assert by_part["training"]["trainer"] > by_part["start_up"]["trainer"]
     # every sync was checked against vLLM; with LoRA, vLLM (no --enable-lora) serves it merged
     diffs = store.connect(data).execute("SELECT sync_max_abs_logprob_diff FROM train_steps").fetchall()
     assert diffs and all(d is not None and d < 1e-3 for (d,) in diffs), diffs

@@ -309,3 +309,33 @@ def test_lightspan_samples_sets_lightspans_group_size_only(task, tmp_path):
     config, _ = lvt.trl_config(args, tmp_path)
     assert config.num_generations == args.samples == 8          # TRL's group size stays --samples
     assert experiment(_args(work=str(tmp_path), lightspan_samples=None), tmp_path).samples == 8
+
+
+def test_parts_a_step_are_medians_over_seeds_of_each_parts_cpu_over_its_steps(tmp_path):
+    parts = {"lightspan": {"0": {"cpu_s": {"trainer": 80.0, "vllm": 70.0, "rest": 100.0}, "steps": 10},
+                           "1": {"cpu_s": {"trainer": 90.0, "vllm": 50.0, "rest": 60.0}, "steps": 5},
+                           "2": {"cpu_s": {"trainer": 40.0, "vllm": 60.0}, "steps": 4},        # no "rest": 0
+                           "3": {"cpu_s": {"trainer": 1.0, "vllm": 1.0, "rest": 1.0}, "steps": 0}},  # no step
+             "trl": {"0": {"cpu_s": {"generate": 200.0, "score": 10.0, "train": 90.0}, "steps": 10}}}
+    per = lvt.parts_per_step(parts)
+    assert per["lightspan"] == {"seeds": 3, "cpu_s": {"trainer": pytest.approx(10.0), "vllm": pytest.approx(10.0),
+                                                      "rest": pytest.approx(10.0)}}
+    assert per["trl"]["cpu_s"] == {"generate": 20.0, "score": 1.0, "train": 9.0}
+    lines = lvt.report(lvt.summarise(RUNS), parts=per)
+    assert "lightspan: CPU-s a step by part, median over 3 seeds: trainer 10.0, vllm 10.0, rest 10.0 (rest: " in \
+        "\n".join(lines)
+    assert any(line.startswith("      trl: CPU-s a step by part, median over 1 seed: generate 20.0, score 1.0, "
+                               "train 9.0 (generate: ") for line in lines)
+    assert lvt.report(lvt.summarise(RUNS)) == [line for line in lines if "by part" not in line]
+    # saved files: each file's parts, their seeds together; a file from before parts were kept adds none
+    one = {side: {"0": RUNS[side][0]} for side in RUNS}
+    two = {side: {"1": RUNS[side][1]} for side in RUNS}
+    (tmp_path / "a.json").write_text(json.dumps({"task": "addition", "runs": one,
+                                                 "parts": {"trl": {"0": parts["trl"]["0"]}}}))
+    (tmp_path / "b.json").write_text(json.dumps({"task": "addition", "runs": two, "parts": {"trl": {"1": {
+        "cpu_s": {"generate": 100.0, "score": 30.0, "train": 70.0}, "steps": 10}}}}))
+    (tmp_path / "c.json").write_text(json.dumps({"task": "addition", "runs": two}))
+    both = lvt.summarise_file(str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert any("median over 2 seeds: generate 15.0, score 2.0, train 8.0" in line for line in both)
+    old = lvt.summarise_file(str(tmp_path / "a.json"), str(tmp_path / "c.json"))
+    assert any("median over 1 seed: generate 20.0" in line for line in old)
