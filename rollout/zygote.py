@@ -14,6 +14,11 @@ Warm-up, once:
    imports at its top level, outside the script's own folder;
 3. ``gc.freeze()``, so that the children's garbage collections do not copy the warm heap.
 
+Then it learns from its children: each reports the modules it imported that the zygote lacked
+(``learnable``), which the zygote imports before the next fork; once ``QUIET_CHILDREN`` children in
+a row reported none, the next ones report nothing (the report touches every module object, each
+a page the child must copy: bench/README.md, "Rollout overhead").
+
 Per rollout, in a forked child (the parent stays single-threaded, so a fork is safe):
 1. its own session and process group (a timeout kills it and whatever it started), its own
    stdout/stderr log file, stdin from /dev/null, the rollout's environment as ``os.environ``
@@ -142,6 +147,10 @@ def warm_up(spec: dict) -> dict:
     return {"preloaded": preloaded, "failed": failed,
             "provider_set": not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider),
             "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()]}
+
+
+QUIET_CHILDREN = 16
+"""Children in a row that imported nothing the zygote lacked, after which the zygote stops asking."""
 
 
 def learnable(before: set[str], folder: str) -> list[str]:
@@ -303,6 +312,7 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
     running: dict[int, str] = {}             # pid -> rollout id
     pids: dict[str, int] = {}                # rollout id -> pid
     learn_dir = tempfile.mkdtemp(prefix="lightspan-zygote-") if spec.get("learn", True) else None
+    quiet = 0                                # children in a row that reported nothing to learn
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -316,7 +326,7 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
         out.write(json.dumps(doc) + "\n")
 
     def reap() -> None:
-        nonlocal learn_dir
+        nonlocal learn_dir, quiet
         while running:
             try:
                 pid, raw, usage = os.wait4(-1, os.WNOHANG)
@@ -329,7 +339,8 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
                 pids.pop(rid, None)
                 send({"event": "exit", "id": rid, "code": _status(raw),
                       "cpu_s": round(usage.ru_utime + usage.ru_stime, 4)})
-            unsafe = _learn_from(learn_dir, pid) if learn_dir else None
+            learnt, unsafe = _learn_from(learn_dir, pid) if learn_dir else (False, None)
+            quiet = 0 if learnt else quiet + 1
             if unsafe:                       # no more forks from here: the runner starts a new zygote
                 send({"event": "unsafe", "why": unsafe})
                 shutil.rmtree(learn_dir, ignore_errors=True)
@@ -362,7 +373,8 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
                     before = set(sys.modules)
                     pid = os.fork()
                     if pid == 0:
-                        _child(request, spec, [fd_in, fd_out, wake_r, wake_w], before, learn_dir)
+                        _child(request, spec, [fd_in, fd_out, wake_r, wake_w], before,
+                               learn_dir if quiet < QUIET_CHILDREN else None)
                     running[pid], pids[request["id"]] = request["id"], pid
                     send({"event": "started", "id": request["id"], "pid": pid})
             reap()
@@ -371,16 +383,19 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
             shutil.rmtree(learn_dir, ignore_errors=True)
 
 
-def _learn_from(learn_dir: str, pid: int) -> str | None:
-    """Import what child ``pid`` reported importing (``learn``); why forking is unsafe now, if it is."""
+def _learn_from(learn_dir: str, pid: int) -> tuple[bool, str | None]:
+    """Import what child ``pid`` reported importing (``learn``): (whether it reported a module the
+    zygote still lacked, why forking is unsafe now if it is); a child that reported nothing (none to
+    report, or not asked) or only what an earlier child did taught nothing."""
     path = os.path.join(learn_dir, f"{pid}.json")
     try:
         with open(path) as f:
             names = json.load(f)
         os.unlink(path)
     except (OSError, ValueError):
-        return None
-    return learn(names) if names else None
+        return False, None
+    names = [name for name in names if name not in sys.modules]
+    return bool(names), learn(names) if names else None
 
 
 def _kill(pid: int) -> None:

@@ -9,6 +9,7 @@ task ids carry a prefix, and the stored spans of the two are compared task by ta
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,6 +63,33 @@ def test_what_a_rollout_imported_is_learned_but_not_its_local_modules(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert "wave" in out and "localmod" not in out
     assert learnable(set(sys.modules), str(tmp_path)) == []
+
+
+def test_the_zygote_learns_what_rollouts_import_until_they_import_nothing_new(tmp_path):
+    from lightspan.rollout.worker import Worker
+    from lightspan.rollout.zygote import QUIET_CHILDREN
+
+    # each rollout says which of two stdlib modules it started with, then imports the one its task names
+    agent = tmp_path / "agent.py"
+    agent.write_text("import os, sys\nprint(','.join(n for n in ('wave', 'tabnanny') if n in sys.modules))\n"
+                     "__import__(os.environ['LAZY'])\n")
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none"}
+    worker = Worker([sys.executable, str(agent)], env, tmp_path / "zygote.log", start_timeout_s=120)
+    try:
+        def started_with(lazy: str, i: int) -> str:
+            log = tmp_path / f"rollout-{i}.log"
+            assert worker.run({**env, "LAZY": lazy}, log, 60) == (0, "ok"), log.read_text()
+            return log.read_text().strip()
+
+        assert started_with("wave", 0) == ""              # imported lazily by a rollout: learnt
+        quiet = [started_with("json", i) for i in range(1, QUIET_CHILDREN + 1)]
+        assert quiet == ["wave"] * QUIET_CHILDREN          # the next ones start with it, and import nothing new
+        assert started_with("tabnanny", QUIET_CHILDREN + 1) == "wave"
+        # after QUIET_CHILDREN rollouts in a row that imported nothing new, the zygote asks no more
+        assert started_with("json", QUIET_CHILDREN + 2) == "wave"
+    finally:
+        worker.close()
 
 
 # --- real collector, real vLLM --------------------------------------------------------------------
