@@ -358,6 +358,9 @@ def main() -> None:
     parser.add_argument("--lightspan-samples", type=int, default=None,
                         help="lightspan's group size (default: --samples); with --lightspan-tasks-per-step it sets "
                              "lightspan's completions a step; choose it on training reward, not held-out")
+    parser.add_argument("--lightspan-concurrency", type=int, default=None,
+                        help="lightspan's rollouts at once (default: the task's preset's; the demo's is 32): what "
+                             "vLLM batches, so it changes CPU, not what is learnt")
     parser.add_argument("--trl-sampling-seed", type=int, default=None,
                         help="reseed TRL's sampling with this plus the seed as training begins (default: none, "
                              "the seed's own draw); the seed's task order and LoRA initialisation stay: "
