@@ -50,7 +50,9 @@ temperature: lightspan's train_steps.entropy, TRL's logged ``entropy``), a run t
 (last - first evaluation) per CPU-minute over the seeds (and its range); the ratio lightspan / TRL;
 the same on the best evaluation (best - first solved count, per CPU-minute at the first evaluation that
 reached the best: 0 when the first is the best); per seed both ratios, and whether every seed is at
-least 1.0x on each. Everything also goes to ``--out`` as JSON (``task``; the summary's older keys kept).
+least 1.0x on each; per side the CPU-seconds a step, in all and by part (``parts`` in the JSON: lightspan's
+services and ``rest``, TRL's ``generate``, ``score`` and ``train``; bench/learning_summary.py), and the host.
+Everything also goes to ``--out`` as JSON (``task``; the summary's older keys kept).
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ def trl_side(args) -> list[dict]:
 
     config, lora = trl_config(args, Path(args.work))
     callbacks = [Budget()]
-    spent = {"generate": 0.0, "generate_and_score": 0.0}   # CPU-s inside TRL's own steps of each step
+    spent = {"generate": 0.0, "generate_and_score": 0.0}   # CPU-s inside these two of TRL's methods, all steps
 
     def timed(name: str, method):
         def run(*a, **kw):
@@ -221,8 +223,7 @@ def trl_side(args) -> list[dict]:
              "train": steps - spent["generate_and_score"]}
     return {"curve": curve, "train": train, "parts": {"cpu_s": {k: round(v, 1) for k, v in parts.items()},
                                                       "steps": trainer.state.global_step},
-            "entropy": {"first": entropies[0] if entropies else None,
-                                                        "last": entropies[-1] if entropies else None}}
+            "entropy": {"first": entropies[0] if entropies else None, "last": entropies[-1] if entropies else None}}
 
 
 def sampling_seed_callback(seed: int):
