@@ -370,11 +370,11 @@ def serve(fd_in: int, fd_out: int, spec: dict) -> None:
                         continue
                     for stream in (out, sys.stdout, sys.stderr):
                         stream.flush()
-                    before = set(sys.modules)
+                    asking = learn_dir if quiet < QUIET_CHILDREN else None   # (what the child reports to)
+                    before = set(sys.modules) if asking else set()
                     pid = os.fork()
                     if pid == 0:
-                        _child(request, spec, [fd_in, fd_out, wake_r, wake_w], before,
-                               learn_dir if quiet < QUIET_CHILDREN else None)
+                        _child(request, spec, [fd_in, fd_out, wake_r, wake_w], before, asking)
                     running[pid], pids[request["id"]] = request["id"], pid
                     send({"event": "started", "id": request["id"], "pid": pid})
             reap()
