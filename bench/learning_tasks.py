@@ -57,10 +57,11 @@ def _module(name: str, path: Path):
 
 def _ports_and_budget(exp, args):
     """The bench's settings over a side's experiment: its budget, validation cadence, context, the
-    trainer's ``zero_advantage``, KL coefficient, learning rate and its schedule and the rollouts at once if
-    given, the LoRA targets, and ports picked free (nothing fixed, so two runs never collide)."""
+    trainer's ``zero_advantage``, KL coefficient, learning rate and its schedule, mini-batches and the rollouts
+    at once if given, the LoRA targets, and ports picked free (nothing fixed, so two runs never collide)."""
     zero, lr = getattr(args, "zero_advantage", None), getattr(args, "lightspan_lr", None)
     schedule, concurrency = getattr(args, "lightspan_lr_schedule", None), getattr(args, "lightspan_concurrency", None)
+    mini = getattr(args, "lightspan_mini_batches", None)
     return dataclasses.replace(exp, cpu_budget_s=args.cpu_budget_s, val_every=args.eval_every,
                                max_model_len=max_model_len(args.model),
                                lora_target_modules=getattr(args, "lora_targets", exp.lora_target_modules),
@@ -68,6 +69,7 @@ def _ports_and_budget(exp, args):
                                **({} if zero is None else {"zero_advantage": zero}),
                                **({} if lr is None else {"learning_rate": lr}),
                                **({} if concurrency is None else {"concurrency": concurrency}),
+                               **({} if mini is None else {"mini_batches": mini}),
                                **({} if schedule is None else {"lr_schedule": schedule,
                                                                "lr_decay_steps": args.lightspan_lr_decay_steps}),
                                grpc_port=0, http_port=0, api_port=0, vllm_port=0)

@@ -362,6 +362,9 @@ def main() -> None:
     parser.add_argument("--lightspan-concurrency", type=int, default=None,
                         help="lightspan's rollouts at once (default: the task's preset's; the demo's is 32): what "
                              "vLLM batches, so it changes CPU, not what is learnt")
+    parser.add_argument("--lightspan-mini-batches", type=int, default=None,
+                        help="lightspan's optimizer steps per step's batch (lightspan train --mini-batches; "
+                             "default 1): with 8 prompts a step, 2 is TRL's 32 completions an update")
     parser.add_argument("--trl-sampling-seed", type=int, default=None,
                         help="reseed TRL's sampling with this plus the seed as training begins (default: none, "
                              "the seed's own draw); the seed's task order and LoRA initialisation stay: "

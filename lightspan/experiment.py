@@ -95,6 +95,8 @@ class ExperimentConfig:
     zero_advantage: str = option("exclude", "Whether zero-advantage sequences count in the loss's normaliser: "
                                  "'exclude' (DAPO's dynamic sampling) or 'count' (GRPO's 1/G, as TRL; lightspan "
                                  "train --help).", choices=ZERO_ADVANTAGE)
+    mini_batches: int = option(1, "Trainer optimizer steps per step's batch, each on a part of its rollouts "
+                               "(lightspan train --mini-batches; TRL's steps_per_generation).")
     micro_batch_tokens: int = option(0, "Padded tokens per trainer forward/backward pass, at most (lightspan "
                                         "train --micro-batch-tokens); 0: derived from max_memory_gb.")
     max_memory_gb: float = option(0.0, "Memory (GiB) the trainer may use, which sizes its micro-batches "
@@ -163,7 +165,7 @@ class ExperimentConfig:
         if not 0 < self.trainer_wait_s < float("inf"):
             raise ConfigError("experiment", "trainer_wait_s", "must be a positive number of seconds",
                               "pass --trainer-wait-s 3600, or more for a slow trainer")
-        for name in ("steps", "tasks_per_step", "concurrency"):
+        for name in ("steps", "tasks_per_step", "concurrency", "mini_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError("experiment", name, "must be at least 1", f"pass --{name.replace('_', '-')} 1 or more")
         if self.micro_batch_tokens < 0 or not 0 <= self.max_memory_gb < float("inf"):
@@ -395,7 +397,7 @@ def trainer_args(cfg: ExperimentConfig, data: Path, model_dir: Path, vllm_url: s
             "--lr-schedule", cfg.lr_schedule, "--lr-decay-steps", str(cfg.lr_decay_steps or cfg.steps),
             "--beta", str(cfg.beta), "--max-staleness", str(cfg.max_staleness), "--batch-size", "0",
             "--entropy-floor", str(cfg.entropy_floor), "--loss-normalisation", cfg.loss_normalisation,
-            "--zero-advantage", cfg.zero_advantage,
+            "--zero-advantage", cfg.zero_advantage, "--mini-batches", str(cfg.mini_batches),
             "--micro-batch-tokens", str(cfg.micro_batch_tokens), "--max-memory-gb", str(cfg.max_memory_gb),
             "--torch-threads", str(cfg.trainer_threads or max(1, (os.cpu_count() or 2) // 2)),
             "--metrics-port", str(metrics_port), *sync]

@@ -114,7 +114,7 @@ def test_the_trainer_is_started_with_the_experiments_trainer_settings(tmp_path):
     exp = dataclasses.replace(
         demo.preset(demo.DemoConfig(steps=7, lora_r=8, seed=3), tmp_path), lora_target_modules="all-linear",
         lr_schedule="cosine", beta=0.02, zero_advantage="count", max_staleness=0, learning_rate=1e-4,
-        loss_normalisation="rollout", entropy_floor=0.3, trainer_threads=1)
+        loss_normalisation="rollout", entropy_floor=0.3, trainer_threads=1, mini_batches=2)
     parser = argparse.ArgumentParser()
     add_arguments(parser, TrainerConfig, "trainer")
     argv = trainer_args(exp, tmp_path / "data", tmp_path / "model", "http://127.0.0.1:9", 0)
@@ -122,6 +122,6 @@ def test_the_trainer_is_started_with_the_experiments_trainer_settings(tmp_path):
     assert (t.lora_r, t.lora_alpha, t.lora_target_modules, t.sync) == (8, exp.lora_alpha, "all-linear", "reload")
     assert (t.lr_schedule, t.lr_decay_steps, t.learning_rate, t.beta, t.seed) == ("cosine", 7, 1e-4, 0.02, 3)
     assert (t.zero_advantage, t.max_staleness, t.loss_normalisation, t.loss_type) == ("count", 0, "rollout", exp.loss_type)
-    assert (t.entropy_floor, t.torch_threads, t.mode, t.batch_size) == (0.3, 1, "continuous", 0)
+    assert (t.entropy_floor, t.torch_threads, t.mode, t.batch_size, t.mini_batches) == (0.3, 1, "continuous", 0, 2)
     adapter = trainer_args(dataclasses.replace(exp, lora_serving="adapter", max_staleness=1), tmp_path, tmp_path, "", 0)
     assert adapter[adapter.index("--sync") + 1] == "lora" and adapter[adapter.index("--verify-sync") + 1] == "false"

@@ -1,14 +1,16 @@
 """One optimizer step of the trainer (trainer/loop.py's ``step``): a batch of transitions in, the
 policy's weights updated, the step's metrics out.
 
-One pass (``num_iterations`` passes over the batch, each one optimizer step)::
+One pass (``num_iterations`` passes over the batch, each ``mini_batches`` optimizer steps)::
 
-    micro-batches (this rank's share, trainer/batches.py) -> token logprobs at each call's
-    temperature -> clipped, IS-corrected loss against the recorded vLLM logprobs (trainer/loss.py),
-    normalised by the whole batch's counts -> accumulated gradient -> clip -> AdamW
+    mini-batches (whole rollouts, in batch order) -> micro-batches (this rank's share,
+    trainer/batches.py) -> token logprobs at each call's temperature -> clipped, IS-corrected loss
+    against the recorded vLLM logprobs (trainer/loss.py), normalised by the mini-batch's counts ->
+    accumulated gradient -> clip -> AdamW
 
-pi_old is the current policy detached with one pass (ratio 1), and frozen before the first pass
-with more; the KL reference's logprobs (``beta`` > 0) are computed once, up front. Under DDP the
+pi_old is the current policy detached where nothing has moved it yet (the first mini-batch of the
+first pass: ratio 1), and frozen up front for the rest; the KL reference's logprobs (``beta`` > 0)
+are computed once, up front. Under DDP the
 loss is scaled by the number of ranks (trainer/loop.py's docstring, 5.), and padding micro-batches
 carry weight 0 and no metrics. What the loss divides by (``step_totals``: the transition's or the
 rollout's tokens, rows of loss weight 0 left out) is counted over the whole batch before it is
@@ -49,61 +51,68 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     cfg, device = config, accelerator.device
     t0 = time.monotonic()
     model.train()
-    totals, table = step_totals(batch.table, cfg.loss_normalisation)     # the whole batch's, before the cut
-    trained_tokens = totals.num_tokens
-    # with zero_advantage 'count', the zero-advantage sequences next_batch left out of the forward pass
-    # still count in what the loss divides by, as in GRPO's 1/G (trainer/loss.py, deviation 4)
-    zero = batch.zero_totals if cfg.zero_advantage == "count" else BatchTotals(0, 0, 0)
-    totals = BatchTotals(totals.num_sequences + zero.num_sequences, totals.num_tokens + zero.num_tokens,
-                         max(totals.max_completion_length, zero.max_completion_length))
+    trained_tokens = 0
     budget = cfg.micro_batch_tokens or step_budget(cfg.max_memory_gb, accelerator.unwrap_model(model), optimizer)
     budget = dist.from_main(accelerator, budget)    # one cut on every rank: their passes must pair
-    micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
-                                num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
-                                pad_id=pad_id, device=device, max_tokens=budget,
-                                # one process only: two forward calls before one backward is untested
-                                # under DDP's and FSDP's hooks
-                                shared_prefix=cfg.shared_prefix_tokens if accelerator.num_processes == 1 else 0)
+    updates = []                                    # per mini-batch: (totals, micro-batches, live)
+    for part, share in split_rollouts(batch.table, cfg.mini_batches, batch.zero_totals):
+        totals, table = step_totals(part, cfg.loss_normalisation)    # the mini-batch's, before the cut
+        trained_tokens += totals.num_tokens
+        # with zero_advantage 'count', the zero-advantage sequences next_batch left out of the forward
+        # pass still count in what the loss divides by, as in GRPO's 1/G (trainer/loss.py, deviation 4)
+        if cfg.zero_advantage == "count":
+            totals = BatchTotals(totals.num_sequences + share.num_sequences, totals.num_tokens + share.num_tokens,
+                                 max(totals.max_completion_length, share.max_completion_length))
+        micro, live = micro_batches(table, rank=accelerator.process_index,   # this rank's share
+                                    num_ranks=accelerator.num_processes, size=cfg.micro_batch_size,
+                                    pad_id=pad_id, device=device, max_tokens=budget,
+                                    # one process only: two forward calls before one backward is untested
+                                    # under DDP's and FSDP's hooks
+                                    shared_prefix=cfg.shared_prefix_tokens if accelerator.num_processes == 1 else 0)
+        updates.append((totals, micro, live))
 
-    # pi_old: with one pass the current logprobs, detached (ratio 1); with more, frozen now
-    old = [None] * len(micro)
-    ref = [None] * len(micro)
+    # pi_old: where no update came before, the current logprobs, detached (ratio 1); otherwise frozen now
+    old = [[None] * len(micro) for _, micro, _ in updates]
+    ref = [[None] * len(micro) for _, micro, _ in updates]
     with torch.no_grad():
-        for i, mb in enumerate(micro):
-            if cfg.num_iterations > 1:
-                old[i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask, mb.temperatures,
-                                        mb.prefix_len)[0]
-            if cfg.beta:
-                with reference(accelerator.unwrap_model(model), ref_model) as ref_policy:
-                    ref[i] = token_logprobs(ref_policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                            mb.temperatures, mb.prefix_len)[0]
+        for u, (_, micro, _) in enumerate(updates):
+            for i, mb in enumerate(micro):
+                if u > 0 or cfg.num_iterations > 1:
+                    old[u][i] = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                               mb.temperatures, mb.prefix_len)[0]
+                if cfg.beta:
+                    with reference(accelerator.unwrap_model(model), ref_model) as ref_policy:
+                        ref[u][i] = token_logprobs(ref_policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                                   mb.temperatures, mb.prefix_len)[0]
 
     sums: dict[str, float] = {}     # token-weighted sums of the per-micro-batch metrics
     loss_total, is_max, grad_norm = 0.0, 0.0, 0.0
+    steps = cfg.num_iterations * len(updates)
     for _ in range(cfg.num_iterations):
-        for i, mb in dist.accumulating(accelerator, model, micro):
-            logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                               mb.temperatures, mb.prefix_len)
-            loss, m = policy_loss(
-                logprobs, logprobs.detach() if old[i] is None else old[i], mb.advantages, mb.completion_mask,
-                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
-                is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[i], beta=cfg.beta,
-                totals=totals, sizes=mb.sizes, row_weights=mb.row_weights)
-            # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
-            accelerator.backward(loss * (accelerator.num_processes if i < live else 0.0))
-            if i >= live:                   # a padding pass (module docstring, 5): no metrics
-                continue
-            n = m["num_tokens"]
-            m["entropy"] = float(entropy.sum()) / max(n, 1)
-            for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
-                        "is_truncated", "kl", "entropy"):
-                sums[key] = sums.get(key, 0.0) + m[key] * n
-            loss_total += m["loss"]
-            is_max = max(is_max, m["is_ratio_max"])
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for u, (totals, micro, live) in enumerate(updates):
+            for i, mb in dist.accumulating(accelerator, model, micro):
+                logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                                   mb.temperatures, mb.prefix_len)
+                loss, m = policy_loss(
+                    logprobs, logprobs.detach() if old[u][i] is None else old[u][i], mb.advantages,
+                    mb.completion_mask, loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                    behaviour_logprobs=mb.behaviour_logprobs, is_correction=cfg.is_correction,
+                    is_cap=cfg.is_cap, is_floor=cfg.is_floor, ref_logprobs=ref[u][i], beta=cfg.beta,
+                    totals=totals, sizes=mb.sizes, row_weights=mb.row_weights)
+                # DDP averages the ranks' gradients; x ranks makes it their sum, the full batch's gradient
+                accelerator.backward(loss * (accelerator.num_processes if i < live else 0.0))
+                if i >= live:                   # a padding pass (module docstring, 5): no metrics
+                    continue
+                n = m["num_tokens"]
+                m["entropy"] = float(entropy.sum()) / max(n, 1)
+                for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "ratio_mean", "is_ratio_mean",
+                            "is_truncated", "kl", "entropy"):
+                    sums[key] = sums.get(key, 0.0) + m[key] * n
+                loss_total += m["loss"]
+                is_max = max(is_max, m["is_ratio_max"])
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     sums, loss_total, is_max = dist.across_ranks(accelerator, sums, loss_total, is_max)
 
     weight = max(trained_tokens * cfg.num_iterations, 1)
@@ -113,11 +122,40 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
     metrics["advantage_std"] = float(signed.std(unbiased=False))
     metrics["tokens_per_second"] = trained_tokens * cfg.num_iterations / max(time.monotonic() - t0, 1e-9)
     metrics.update({
-        "loss": loss_total / cfg.num_iterations, "is_ratio_max": is_max, "grad_norm": grad_norm,
+        "loss": loss_total / steps, "is_ratio_max": is_max, "grad_norm": grad_norm,
         "num_transitions": batch.table.num_rows, "num_tokens": trained_tokens,
         "reward_mean": batch.reward_mean, "advantage_abs_mean": sum(map(abs, advantages)) / len(advantages),
         "staleness_mean": batch.staleness_mean, "skipped_stale": batch.skipped_stale,
         "skipped_malformed": batch.skipped_malformed, "zero_advantage": batch.zero_advantage,
-        "masked": batch.masked, "micro_batches": live, "micro_batch_tokens": budget,
+        "masked": batch.masked, "micro_batches": sum(live for *_, live in updates), "micro_batch_tokens": budget,
         "step_seconds": time.monotonic() - t0})
     return metrics
+
+
+def split_rollouts(table, parts: int, zero: BatchTotals) -> list[tuple[object, BatchTotals]]:
+    """``table`` cut into at most ``parts`` mini-batches of whole rollouts (a transition without a
+    rollout is one), in batch order, of rows as even as whole rollouts allow, each with its share of the
+    zero-advantage ``zero``: sequences and tokens pro rata to its rows, the longest completion whole."""
+    keys = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
+            else [None] * table.num_rows)
+    ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
+    keys = [k if k else t for k, t in zip(keys, ids)]
+    n, bounds, start = table.num_rows, [], 0
+    for j in range(1, parts):
+        end = max(start, min(round(n * j / parts), n))
+        while 0 < end < n and keys[end] == keys[end - 1]:   # a rollout stays whole
+            end += 1
+        if start < end < n:
+            bounds.append((start, end))
+            start = end
+    bounds.append((start, n))
+    def upto(row: int) -> tuple[int, int]:       # the zero-advantage share of rows [0, row)
+        if row >= n:
+            return zero.num_sequences, zero.num_tokens
+        return zero.num_sequences * row // n, zero.num_tokens * row // n
+
+    ends = [upto(b) for _, b in bounds]
+    out = []
+    for (a, b), (s0, t0), (s1, t1) in zip(bounds, [(0, 0), *ends], ends):
+        out.append((table.slice(a, b - a), BatchTotals(s1 - s0, t1 - t0, zero.max_completion_length)))
+    return out
