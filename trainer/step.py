@@ -10,12 +10,12 @@ One pass (``num_iterations`` passes over the batch, each ``mini_batches`` optimi
 
 pi_old is the current policy detached where nothing has moved it yet (the first mini-batch of the
 first pass: ratio 1), and frozen up front for the rest; the KL reference's logprobs (``beta`` > 0)
-are computed once, up front. Under DDP the
-loss is scaled by the number of ranks (trainer/loop.py's docstring, 5.), and padding micro-batches
-carry weight 0 and no metrics. What the loss divides by (``step_totals``: the transition's or the
-rollout's tokens, rows of loss weight 0 left out) is counted over the whole batch before it is
-cut; micro-batches hold at most ``micro_batch_size`` rows and ``micro_batch_tokens`` padded tokens,
-or the budget trainer/memory.py derives from ``max_memory_gb`` and the model's size.
+are computed once, up front. Under DDP the loss is scaled by the number of ranks (trainer/loop.py's
+docstring, 5.), and padding micro-batches carry weight 0 and no metrics. What the loss divides by
+(``step_totals``: the transition's or the rollout's tokens, rows of loss weight 0 left out) is
+counted over the whole mini-batch before it is cut; micro-batches hold at most ``micro_batch_size``
+rows and ``micro_batch_tokens`` padded tokens, or the budget trainer/memory.py derives from
+``max_memory_gb`` and the model's size.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 
+import pyarrow as pa
 import torch
 
 from lightspan.trainer import distributed as dist
@@ -134,28 +135,30 @@ def optimise(accelerator, model, optimizer, batch: Batch, config: TrainerConfig,
 
 def split_rollouts(table, parts: int, zero: BatchTotals) -> list[tuple[object, BatchTotals]]:
     """``table`` cut into at most ``parts`` mini-batches of whole rollouts (a transition without a
-    rollout is one), in batch order, of rows as even as whole rollouts allow, each with its share of the
-    zero-advantage ``zero``: sequences and tokens pro rata to its rows, the longest completion whole."""
-    keys = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
-            else [None] * table.num_rows)
+    rollout is one), in the order of each rollout's first row, of rows as even as whole rollouts
+    allow, each with its share of the zero-advantage ``zero``: sequences and tokens pro rata to its
+    rows, the longest completion whole."""
+    rollouts = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
+                else [None] * table.num_rows)
     ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
-    keys = [k if k else t for k, t in zip(keys, ids)]
-    n, bounds, start = table.num_rows, [], 0
-    for j in range(1, parts):
-        end = max(start, min(round(n * j / parts), n))
-        while 0 < end < n and keys[end] == keys[end - 1]:   # a rollout stays whole
-            end += 1
-        if start < end < n:
-            bounds.append((start, end))
-            start = end
-    bounds.append((start, n))
+    rows_of: dict = {}                              # rollout -> its rows, in the order of first appearance
+    for i, (r, t) in enumerate(zip(rollouts, ids)):
+        rows_of.setdefault(r if r else t, []).append(i)
+    n, groups, cuts = table.num_rows, list(rows_of.values()), []
+    done = 0
+    for rows in groups[:-1]:                        # cut after a rollout once its part has its share
+        done += len(rows)
+        if len(cuts) < parts - 1 and done >= n * (len(cuts) + 1) / parts:
+            cuts.append(done)
+    order = pa.array([i for rows in groups for i in rows], pa.int64())
+
     def upto(row: int) -> tuple[int, int]:       # the zero-advantage share of rows [0, row)
         if row >= n:
             return zero.num_sequences, zero.num_tokens
         return zero.num_sequences * row // n, zero.num_tokens * row // n
 
-    ends = [upto(b) for _, b in bounds]
     out = []
-    for (a, b), (s0, t0), (s1, t1) in zip(bounds, [(0, 0), *ends], ends):
-        out.append((table.slice(a, b - a), BatchTotals(s1 - s0, t1 - t0, zero.max_completion_length)))
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        (s0, t0), (s1, t1) = upto(a) if a else (0, 0), upto(b)
+        out.append((table.take(order[a:b]), BatchTotals(s1 - s0, t1 - t0, zero.max_completion_length)))
     return out

@@ -76,3 +76,8 @@ def test_one_mini_batch_is_the_step_it_always_was(tmp_path, tiny_model):
     row = t.train_once()
     assert row["ratio_mean"] == pytest.approx(1.0)
     assert {int(s["step"]) for s in t.optimizer.state_dict()["state"].values()} == {1}
+
+
+def test_a_rollouts_rows_stay_in_one_part_wherever_they_lie_in_the_batch():
+    parts = split_rollouts(table(["a", "b", "a", "c", "b", "d"]), 2, BatchTotals(0, 0, 0))
+    assert [p.column("rollout_id").to_pylist() for p, _ in parts] == [["a", "a", "b", "b"], ["c", "d"]]
