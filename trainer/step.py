@@ -3,7 +3,7 @@ policy's weights updated, the step's metrics out.
 
 One pass (``num_iterations`` passes over the batch, each ``mini_batches`` optimizer steps)::
 
-    mini-batches (whole rollouts, in batch order) -> micro-batches (this rank's share,
+    mini-batches (of whole rollouts) -> micro-batches (this rank's share,
     trainer/batches.py) -> token logprobs at each call's temperature -> clipped, IS-corrected loss
     against the recorded vLLM logprobs (trainer/loss.py), normalised by the mini-batch's counts ->
     accumulated gradient -> clip -> AdamW
