@@ -111,12 +111,12 @@ class TrainerConfig:
                              "masked below it; 0 = none.")
     num_iterations: int = option(1, "Optimisation passes over each batch (mu in the GRPO paper). With 1 the "
                                  "update is on-policy w.r.t. the trainer's weights and the ratio is 1.")
-    mini_batches: int = option(1, "Optimizer steps per pass over a batch: the batch is cut into this many mini-batches "
-                               "of whole rollouts, in the order of their first row, each its own AdamW update with the loss normalised "
-                               "by its own counts (TRL's steps_per_generation, verl's ppo_mini_batch_size as a count). "
-                               "The first is on-policy; the later ones' ratio is against the logprobs the trainer "
-                               "computed before the first update (one more forward pass over them). The policy "
-                               "version still goes up by one a batch.")
+    mini_batches: int = option(1, "Optimizer steps per pass over a batch: the batch is cut into this many "
+                               "mini-batches of whole rollouts, in the order of their first row, each its own AdamW "
+                               "update with the loss normalised by its own counts (TRL's steps_per_generation, verl's "
+                               "ppo_mini_batch_size as a count). The first is on-policy; the later ones' ratio is "
+                               "against the logprobs the trainer computed before the first update (one more forward "
+                               "pass over them). The policy version still goes up by one a batch.")
     # optimisation
     learning_rate: float = option(1e-5, "AdamW learning rate: at version 0, and throughout with lr_schedule 'constant'.")
     lr_schedule: str = option("constant", "The learning rate against the policy version (TRL's lr_scheduler_type, counted "

@@ -81,3 +81,11 @@ def test_one_mini_batch_is_the_step_it_always_was(tmp_path, tiny_model):
 def test_a_rollouts_rows_stay_in_one_part_wherever_they_lie_in_the_batch():
     parts = split_rollouts(table(["a", "b", "a", "c", "b", "d"]), 2, BatchTotals(0, 0, 0))
     assert [p.column("rollout_id").to_pylist() for p, _ in parts] == [["a", "a", "b", "b"], ["c", "d"]]
+
+
+def test_no_mini_batches_is_refused_at_start_up_naming_the_field(tmp_path):
+    from lightspan.core.config import ConfigError
+    from lightspan.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match="trainer.mini_batches"):
+        TrainerConfig(model="m", mini_batches=0)
