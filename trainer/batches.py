@@ -178,6 +178,15 @@ def token_totals(rows: Rows) -> tuple[list[int], int]:
     return lengths.tolist(), int(lengths[no_mask].sum() + mask.sum())
 
 
+def rollout_keys(table: pa.Table) -> list:
+    """Each row's rollout: its ``rollout_id``, or for a row without one its ``transition_id`` (or
+    index), so that it is a rollout of its own."""
+    rollouts = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
+                else [None] * table.num_rows)
+    ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
+    return [r if r else t for r, t in zip(rollouts, ids)]
+
+
 def step_totals(rows: Rows, normalisation: str) -> tuple[BatchTotals, pa.Table]:
     """What the loss of the whole batch ``rows`` normalises by (trainer/loss.py's ``sequence_totals``),
     and the batch with each row's sequence size in :data:`SIZE_COLUMN`: computed here, before the
@@ -190,11 +199,7 @@ def step_totals(rows: Rows, normalisation: str) -> tuple[BatchTotals, pa.Table]:
         row_of = np.repeat(np.arange(int((~no_mask).sum())), mask_len[~no_mask])
         trained[~no_mask] = np.bincount(row_of, weights=mask.astype(np.float64),
                                         minlength=int((~no_mask).sum())).astype(np.int64)
-    rollouts = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
-                else [None] * table.num_rows)
-    ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
-    keys = [r if r else t for r, t in zip(rollouts, ids)]
-    totals, sizes = sequence_totals(lengths, trained.tolist(), keys, row_weights(table).tolist(),
+    totals, sizes = sequence_totals(lengths, trained.tolist(), rollout_keys(table), row_weights(table).tolist(),
                                     normalisation=normalisation)
     column = pa.array(sizes, pa.float64())
     if SIZE_COLUMN in table.column_names:

@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 
 from lightspan.trainer import distributed as dist
-from lightspan.trainer.batches import Batch, micro_batches, step_totals
+from lightspan.trainer.batches import Batch, micro_batches, rollout_keys, step_totals
 from lightspan.trainer.config import TrainerConfig
 from lightspan.trainer.lora import reference
 from lightspan.trainer.loss import BatchTotals, policy_loss, token_logprobs
@@ -138,12 +138,11 @@ def split_rollouts(table, parts: int, zero: BatchTotals) -> list[tuple[object, B
     rollout is one), in the order of each rollout's first row, of rows as even as whole rollouts
     allow, each with its share of the zero-advantage ``zero``: sequences and tokens pro rata to its
     rows, the longest completion whole."""
-    rollouts = (table.column("rollout_id").to_pylist() if "rollout_id" in table.column_names
-                else [None] * table.num_rows)
-    ids = table.column("transition_id").to_pylist() if "transition_id" in table.column_names else range(table.num_rows)
+    if parts == 1:                                  # the whole batch, as it is
+        return [(table, zero)]
     rows_of: dict = {}                              # rollout -> its rows, in the order of first appearance
-    for i, (r, t) in enumerate(zip(rollouts, ids)):
-        rows_of.setdefault(r if r else t, []).append(i)
+    for i, key in enumerate(rollout_keys(table)):
+        rows_of.setdefault(key, []).append(i)
     n, groups, cuts = table.num_rows, list(rows_of.values()), []
     done = 0
     for rows in groups[:-1]:                        # cut after a rollout once its part has its share
